@@ -1,0 +1,43 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: demo test lint typecheck unit bench redis-server clean
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base pyproject.toml
+	$(PIP) -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.base
+	$(VENV)/bin/kvtier replay
+
+# The Redis tier's tests need a real server binary; install Debian's when missing.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+typecheck: $(VENV)/.test
+	$(VENV)/bin/mypy
+
+unit: $(VENV)/.test redis-server
+	$(VENV)/bin/pytest -n 2 -q
+
+test: lint typecheck unit
+
+bench: $(VENV)/.test
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Scheduler-side bookkeeping for offload tiers (no bytes move here)."""

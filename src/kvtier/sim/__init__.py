@@ -1,0 +1,1 @@
+"""Trace readers, workload generators, the replay loop, bounds and metrics."""
