@@ -3,10 +3,15 @@
 Every reader yields `TraceRequest`s in file order and names the file, the line and
 the field on malformed input: a replay that silently skips lines reports hit rates
 for a workload nobody ran.
+
+All readers return integer block ids, so the replay loop never cares where the ids
+came from. Timestamps are milliseconds since the trace start in every format
+(Bailian's seconds are converted), so the concurrency model has one unit.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +29,11 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    # Bailian's conversation structure; None for formats that do not carry it.
+    chat_id: int | None = None
+    parent_chat_id: int | None = None
+    turn: int | None = None
+    kind: str | None = None
 
 
 def _field(obj: dict[str, Any], name: str, kind: type, where: str) -> Any:
@@ -36,11 +46,17 @@ def _field(obj: dict[str, Any], name: str, kind: type, where: str) -> Any:
         raise TraceFormatError(f"{where}: field {name!r} must be a number, got {value!r}")
     if kind is list and not isinstance(value, list):
         raise TraceFormatError(f"{where}: field {name!r} must be a list, got {value!r}")
+    if kind is str and not isinstance(value, str):
+        raise TraceFormatError(f"{where}: field {name!r} must be a string, got {value!r}")
     return value
 
 
 def _json_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with path.open("r", encoding="utf-8") as f:
+    try:
+        f = path.open("r", encoding="utf-8")
+    except OSError as e:
+        raise TraceFormatError(f"{path}: cannot open trace ({e.strerror})") from None
+    with f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -54,28 +70,114 @@ def _json_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             yield where, obj
 
 
+def _int_list(obj: dict[str, Any], name: str, where: str) -> list[int]:
+    values: list[int] = _field(obj, name, list, where)
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TraceFormatError(
+                f"{where}: field {name!r} must hold integers >= 0, got {value!r}"
+            )
+    return values
+
+
+def _lengths(obj: dict[str, Any], where: str) -> tuple[int, int]:
+    input_length = _field(obj, "input_length", int, where)
+    output_length = _field(obj, "output_length", int, where)
+    if input_length < 0 or output_length < 0:
+        raise TraceFormatError(
+            f"{where}: lengths must be >= 0, got {input_length}, {output_length}"
+        )
+    return input_length, output_length
+
+
+def _timestamp(obj: dict[str, Any], where: str, scale: float = 1.0) -> float:
+    value = float(_field(obj, "timestamp", float, where)) * scale
+    if value < 0:
+        raise TraceFormatError(f"{where}: field 'timestamp' must be >= 0, got {value!r}")
+    return value
+
+
 def read_mooncake(path: str | Path) -> list[TraceRequest]:
     """Read a Mooncake JSONL trace (`timestamp`, `input_length`, `output_length`, `hash_ids`)."""
     requests: list[TraceRequest] = []
     for where, obj in _json_lines(Path(path)):
-        hash_ids = _field(obj, "hash_ids", list, where)
-        for value in hash_ids:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise TraceFormatError(
-                    f"{where}: field 'hash_ids' must hold integers >= 0, got {value!r}"
-                )
-        input_length = _field(obj, "input_length", int, where)
-        output_length = _field(obj, "output_length", int, where)
-        if input_length < 0 or output_length < 0:
-            raise TraceFormatError(
-                f"{where}: lengths must be >= 0, got {input_length}, {output_length}"
-            )
+        hash_ids = _int_list(obj, "hash_ids", where)
+        input_length, output_length = _lengths(obj, where)
         requests.append(
             TraceRequest(
-                timestamp=float(_field(obj, "timestamp", float, where)),
+                timestamp=_timestamp(obj, where),
                 input_length=input_length,
                 output_length=output_length,
                 hash_ids=tuple(hash_ids),
             )
         )
+    return requests
+
+
+def read_bailian(path: str | Path) -> list[TraceRequest]:
+    """Read an Alibaba Bailian JSONL trace (16-token blocks, timestamps in seconds).
+
+    Its hash ids are not chained (an id names a block's content, not its prefix), so
+    the replay reports any-position and prefix-consecutive hits separately for it.
+    `parent_chat_id` -1 (or null) means "first turn".
+    """
+    requests: list[TraceRequest] = []
+    for where, obj in _json_lines(Path(path)):
+        hash_ids = _int_list(obj, "hash_ids", where)
+        input_length, output_length = _lengths(obj, where)
+        parent = obj.get("parent_chat_id", -1)
+        if parent is None:
+            parent = -1
+        if isinstance(parent, bool) or not isinstance(parent, int):
+            raise TraceFormatError(
+                f"{where}: field 'parent_chat_id' must be an integer, got {parent!r}"
+            )
+        requests.append(
+            TraceRequest(
+                timestamp=_timestamp(obj, where, scale=1000.0),
+                input_length=input_length,
+                output_length=output_length,
+                hash_ids=tuple(hash_ids),
+                chat_id=_field(obj, "chat_id", int, where),
+                parent_chat_id=None if parent < 0 else parent,
+                turn=_field(obj, "turn", int, where),
+                kind=_field(obj, "type", str, where),
+            )
+        )
+    return requests
+
+
+def read_tokens(
+    path: str | Path, block_size: int = 16, algorithm: str = "sha256_cbor"
+) -> list[TraceRequest]:
+    """Read JSONL with token ids and hash them with kvtier's own chained hashing.
+
+    Line fields: `token_ids` (list of ints), `output_length`, optional `timestamp`
+    (ms, default: the line number, so requests keep file order), optional
+    `cache_salt` and `lora_name`. Only full blocks get a hash, as in the engine.
+    The hashes are interned to dense integers so the replay treats every format alike.
+    """
+    # Imported on use: the other readers must work without the hashing layer loaded.
+    hash_request_blocks = importlib.import_module("kvtier.hashing").hash_request_blocks
+
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    interned: dict[bytes, int] = {}
+    requests: list[TraceRequest] = []
+    for index, (where, obj) in enumerate(_json_lines(Path(path))):
+        token_ids = _int_list(obj, "token_ids", where)
+        output_length = _field(obj, "output_length", int, where)
+        if output_length < 0:
+            raise TraceFormatError(f"{where}: field 'output_length' must be >= 0")
+        salt = obj.get("cache_salt")
+        lora = obj.get("lora_name")
+        for name, value in (("cache_salt", salt), ("lora_name", lora)):
+            if value is not None and not isinstance(value, str):
+                raise TraceFormatError(f"{where}: field {name!r} must be a string, got {value!r}")
+        ts = _timestamp(obj, where) if "timestamp" in obj else float(index)
+        hashes = hash_request_blocks(
+            token_ids, block_size, cache_salt=salt, lora_name=lora, algorithm=algorithm
+        )
+        ids = tuple(interned.setdefault(bytes(h), len(interned)) for h in hashes)
+        requests.append(TraceRequest(ts, len(token_ids), output_length, ids))
     return requests

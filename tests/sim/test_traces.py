@@ -1,0 +1,106 @@
+"""Trace readers: every format, and errors that name file, line and field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.sim.traces import TraceFormatError, read_bailian, read_mooncake
+from kvtier.sim.workload import load_workload
+
+
+def _write(tmp_path: Path, name: str, rows: list[object]) -> Path:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+BAILIAN_ROW = {
+    "chat_id": 7,
+    "parent_chat_id": -1,
+    "timestamp": 1.5,
+    "input_length": 40,
+    "output_length": 9,
+    "type": "text",
+    "turn": 1,
+    "hash_ids": [3, 4, 3],
+}
+
+
+def test_bailian_fields_and_units(tmp_path: Path) -> None:
+    child = {**BAILIAN_ROW, "chat_id": 8, "parent_chat_id": 7, "turn": 2, "timestamp": 2}
+    (first, second) = read_bailian(_write(tmp_path, "b.jsonl", [BAILIAN_ROW, child]))
+    assert first.timestamp == 1500.0  # seconds -> ms, like Mooncake
+    assert first.parent_chat_id is None and second.parent_chat_id == 7
+    assert (second.chat_id, second.turn, second.kind) == (8, 2, "text")
+    assert first.hash_ids == (3, 4, 3)
+
+
+def test_workload_dedupes_ids_within_a_request_and_knows_chaining(tmp_path: Path) -> None:
+    path = _write(tmp_path, "b.jsonl", [BAILIAN_ROW])
+    workload = load_workload(path, "bailian")
+    assert workload.block_ids == ((3, 4),)
+    assert workload.chained is False and workload.block_size == 16
+    assert workload.block_tokens(0, 0) == 16 and workload.block_tokens(0, 2) == 8
+
+
+def test_workload_sorts_by_timestamp_stably(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 5, "input_length": 1, "output_length": 1, "hash_ids": [1]},
+        {"timestamp": 2, "input_length": 1, "output_length": 1, "hash_ids": [2]},
+        {"timestamp": 5, "input_length": 1, "output_length": 1, "hash_ids": [3]},
+    ]
+    workload = load_workload(_write(tmp_path, "m.jsonl", rows))
+    assert workload.block_ids == ((2,), (1,), (3,))
+    assert workload.limited(2).block_ids == ((2,), (1,))
+
+
+@pytest.mark.parametrize(
+    ("row", "field"),
+    [
+        ({"timestamp": 0, "input_length": 1, "output_length": 1}, "hash_ids"),
+        ({"timestamp": 0, "input_length": "x", "output_length": 1, "hash_ids": []}, "input_length"),
+        ({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [-1]}, "hash_ids"),
+        ({"timestamp": -3, "input_length": 1, "output_length": 1, "hash_ids": []}, "timestamp"),
+        ({"timestamp": True, "input_length": 1, "output_length": 1, "hash_ids": []}, "timestamp"),
+    ],
+)
+def test_mooncake_errors_name_file_line_and_field(
+    tmp_path: Path, row: dict[str, object], field: str
+) -> None:
+    good = {"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}
+    path = _write(tmp_path, "bad.jsonl", [good, row])
+    with pytest.raises(TraceFormatError, match=rf"bad\.jsonl:2: .*'{field}'"):
+        read_mooncake(path)
+
+
+def test_bailian_error_names_missing_field(tmp_path: Path) -> None:
+    row = {k: v for k, v in BAILIAN_ROW.items() if k != "turn"}
+    with pytest.raises(TraceFormatError, match=r"b\.jsonl:1: missing field 'turn'"):
+        read_bailian(_write(tmp_path, "b.jsonl", [row]))
+
+
+def test_invalid_json_and_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"timestamp": 0}\n{oops\n')
+    with pytest.raises(TraceFormatError, match=r"x\.jsonl:1: missing field"):
+        read_mooncake(path)
+    path.write_text("\n[1, 2]\n")
+    with pytest.raises(TraceFormatError, match=r"x\.jsonl:2: expected a JSON object"):
+        read_mooncake(path)
+    with pytest.raises(TraceFormatError, match="cannot open"):
+        read_mooncake(tmp_path / "absent.jsonl")
+
+
+def test_unknown_format_lists_known(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mooncake, bailian, tokens"):
+        load_workload(tmp_path / "x", "csv")
+
+
+def test_real_trace_shape(conversation_trace_path: Path) -> None:
+    workload = load_workload(conversation_trace_path)
+    assert len(workload.requests) == 12_031
+    assert (workload.block_refs, workload.unique_blocks) == (288_500, 182_790)
+    assert workload.chained and workload.block_size == 512
