@@ -1,0 +1,1 @@
+"""The shared remote tier: KV blocks in Redis, reused across engine instances."""

@@ -1,0 +1,102 @@
+"""The fixed binary envelope of a block value in the remote store.
+
+Anything read back from a shared server is untrusted: another engine, an older
+kvtier, a bit flip or an operator's `SET` may have put it there. So a value is
+raw block bytes behind a fixed 48-byte header that is parsed with `struct`
+only (nothing is ever unpickled or evaluated), and a value is served only when
+every field agrees: magic, format version, layout fingerprint, the block hash it
+was written for (a value copied under the wrong key is refused) and an xxh3-64
+checksum of the payload.
+
+Layout (little-endian, 48 bytes):
+    magic "KVTR" | format u16 | header length u16 | fingerprint digest 16 bytes |
+    block-hash digest u64 | payload length u64 | payload xxh3-64 u64
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC = b"KVTR"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHH16sQQQ")
+HEADER_SIZE = _HEADER.size  # 48
+_PREFIX = struct.Struct("<4sHH16sQ")  # the fields a lookup can check without the payload
+
+
+class DecodeStatus(enum.Enum):
+    """Why a value was (not) served; each refusal is counted separately."""
+
+    OK = "ok"
+    MALFORMED = "malformed"  # not our envelope at all, or another format version
+    FOREIGN = "foreign"  # written for another layout fingerprint: ignored, never misread
+    WRONG_KEY = "wrong_key"  # a valid value stored under another block's key
+    CORRUPT = "corrupt"  # truncated, or the payload checksum does not match
+
+
+def fingerprint_digest(fingerprint: str | bytes) -> bytes:
+    """16 bytes that identify a layout fingerprint in every header and key."""
+    raw = fingerprint.encode() if isinstance(fingerprint, str) else bytes(fingerprint)
+    if not raw:
+        raise ValueError("layout fingerprint must be non-empty")
+    return xxhash.xxh3_128_digest(raw)
+
+
+def block_digest(block_hash: bytes) -> int:
+    """A 64-bit digest of the block hash, so a value answers only for its own key."""
+    return xxhash.xxh3_64_intdigest(block_hash)
+
+
+@dataclass(frozen=True)
+class BlockCodec:
+    """Encodes and verifies values for one layout fingerprint."""
+
+    fp_digest: bytes
+
+    @classmethod
+    def for_fingerprint(cls, fingerprint: str | bytes) -> BlockCodec:
+        return cls(fingerprint_digest(fingerprint))
+
+    def header(self, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+        """The 48-byte header for `payload` stored under `block_hash`."""
+        return _HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_SIZE,
+            self.fp_digest,
+            block_digest(block_hash),
+            len(payload),
+            xxhash.xxh3_64_intdigest(payload),
+        )
+
+    def encode(self, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+        """Header and payload in one value (one copy of the payload, no more)."""
+        return b"".join((self.header(block_hash, payload), payload))
+
+    def check_prefix(self, block_hash: bytes, prefix: bytes | None) -> DecodeStatus:
+        """Verify what a lookup fetched (the header only): all but the checksum."""
+        if prefix is None or len(prefix) < HEADER_SIZE:
+            return DecodeStatus.MALFORMED
+        magic, version, header_len, fp, key = _PREFIX.unpack_from(prefix)
+        if magic != MAGIC or version != FORMAT_VERSION or header_len != HEADER_SIZE:
+            return DecodeStatus.MALFORMED
+        if fp != self.fp_digest:
+            return DecodeStatus.FOREIGN
+        if key != block_digest(block_hash):
+            return DecodeStatus.WRONG_KEY
+        return DecodeStatus.OK
+
+    def decode(self, block_hash: bytes, value: bytes) -> tuple[DecodeStatus, memoryview | None]:
+        """The verified payload as a zero-copy view of `value`, or why it is refused."""
+        status = self.check_prefix(block_hash, value)
+        if status is not DecodeStatus.OK:
+            return status, None
+        length, checksum = struct.unpack_from("<QQ", value, HEADER_SIZE - 16)
+        payload = memoryview(value)[HEADER_SIZE:]
+        if len(payload) != length or xxhash.xxh3_64_intdigest(payload) != checksum:
+            return DecodeStatus.CORRUPT, None
+        return DecodeStatus.OK, payload

@@ -1,0 +1,302 @@
+"""Block bytes in a shared Redis: one key per block, batched, never raising.
+
+Key: `<prefix>:<fingerprint>:<salt>:{<block hash hex>}`. The layout fingerprint
+and the cache salt are part of every key, so incompatible engines and tenants
+never read each other's blocks. The block hash is the Redis Cluster hash tag:
+blocks spread over the nodes, and anything kept about a block (today its one
+value: header and bytes together, so they cannot be separated by eviction)
+stays on the node that holds it.
+
+Every public method is one round trip (a pipeline; a cluster groups it per
+node), guarded by the circuit breaker, and turns any Redis or socket failure
+into a miss or a failed store, counted in `stats`: the caller never sees an
+exception from the server. Eviction is Redis's own (maxmemory with an
+allkeys-lru / allkeys-lfu policy); a block may vanish at any time, which costs a
+recompute, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+import xxhash
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
+
+from kvtier.remote.breaker import BreakerState, CircuitBreaker
+from kvtier.remote.codec import HEADER_SIZE, BlockCodec, DecodeStatus
+from kvtier.remote.config import RedisClient, RemoteConfig, make_client
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Payload = bytes | bytearray | memoryview
+_NO_SALT = b"-"
+
+
+class RemoteStartupError(ValueError):
+    """The remote tier is misconfigured (e.g. wrong password): fix the config, not the server."""
+
+
+@dataclass(frozen=True)
+class RemoteStats:
+    """Counters of one store since it was created (a snapshot)."""
+
+    lookups: int = 0
+    lookup_hit_blocks: int = 0
+    stored_blocks: int = 0
+    stored_bytes: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    missing_blocks: int = 0  # looked up, then evicted before the load
+    corrupt_blocks: int = 0
+    foreign_blocks: int = 0
+    malformed_blocks: int = 0
+    wrong_key_blocks: int = 0
+    errors: int = 0  # failed calls (timeouts, refused connections, server errors)
+    skipped_calls: int = 0  # refused by the open breaker
+    breaker_opened: int = 0
+
+
+class _Counters:
+    """Mutable counters behind a lock (the scheduler and workers share a store)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.values = dict.fromkeys((f.name for f in fields(RemoteStats)), 0)
+
+    def add(self, **deltas: int) -> None:
+        with self.lock:
+            for name, delta in deltas.items():
+                self.values[name] += delta
+
+
+_REFUSED = {
+    DecodeStatus.CORRUPT: "corrupt_blocks",
+    DecodeStatus.FOREIGN: "foreign_blocks",
+    DecodeStatus.MALFORMED: "malformed_blocks",
+    DecodeStatus.WRONG_KEY: "wrong_key_blocks",
+}
+
+
+class RedisBlockStore:
+    def __init__(
+        self,
+        client: RedisClient,
+        codec: BlockCodec,
+        config: RemoteConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.codec = codec
+        self.config = config
+        self.breaker = CircuitBreaker(config.breaker, clock)
+        self._counters = _Counters()
+        self._base = f"{config.key_prefix}:{codec.fp_digest[:8].hex()}:".encode()
+        self._namespaces: dict[str | None, bytes] = {}
+
+    @classmethod
+    def connect(
+        cls,
+        config: RemoteConfig,
+        fingerprint: str | bytes,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> RedisBlockStore:
+        """Build a store and check the server once: a wrong password fails here, loudly.
+
+        An unreachable server is not an error at start-up (engines must start
+        while Redis restarts): it is counted and the breaker takes over.
+        """
+        try:
+            client = make_client(config)
+        except AuthenticationError as exc:
+            raise _auth_error(config, exc) from exc
+        except RedisError as exc:  # cluster clients contact their nodes at construction
+            raise RemoteStartupError(
+                f"cannot reach the cluster {config.redacted_url()}: {exc}"
+            ) from exc
+        store = cls(client, BlockCodec.for_fingerprint(fingerprint), config, clock)
+        store.check_startup()
+        return store
+
+    def check_startup(self) -> bool:
+        """PING once; raise RemoteStartupError on bad credentials, else report reachability."""
+        try:
+            self.client.ping()
+        except AuthenticationError as exc:
+            raise _auth_error(self.config, exc) from exc
+        except ResponseError as exc:
+            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+                raise _auth_error(self.config, exc) from exc
+            return self._failed("ping", exc)
+        except (RedisError, OSError) as exc:
+            log.warning("remote tier %s unreachable at start-up: %s", self._where(), exc)
+            return self._failed("ping", exc)
+        return True
+
+    @property
+    def stats(self) -> RemoteStats:
+        with self._counters.lock:
+            return RemoteStats(**self._counters.values)
+
+    def namespace(self, salt: str | None) -> bytes:
+        """The key prefix for one cache salt (cached: salts repeat across requests)."""
+        ns = self._namespaces.get(salt)
+        if ns is None:
+            tag = _NO_SALT if salt is None else xxhash.xxh3_64_hexdigest(salt.encode()).encode()
+            ns = self._namespaces[salt] = self._base + tag + b":{"
+        return ns
+
+    def key(self, block_hash: bytes, salt: str | None = None) -> bytes:
+        return b"".join((self.namespace(salt), block_hash.hex().encode(), b"}"))
+
+    def _keys(self, block_hashes: Sequence[bytes], salt: str | None) -> list[bytes]:
+        ns = self.namespace(salt)
+        return [b"".join((ns, h.hex().encode(), b"}")) for h in block_hashes]
+
+    # -- the three calls -----------------------------------------------------------------
+
+    def count_prefix(self, block_hashes: Sequence[bytes], salt: str | None = None) -> int:
+        """How many leading blocks exist with a valid header for our layout (one round trip).
+
+        Stops at the first hole: a chain whose middle was evicted is only useful
+        up to the hole. Headers are fetched (GETRANGE, 48 bytes) rather than
+        EXISTS so a value of another fingerprint or format is ignored here,
+        before anyone plans a load of it.
+        """
+        if not block_hashes:
+            return 0
+        keys = self._keys(block_hashes, salt)
+        prefixes = self._guarded("lookup", lambda: self._pipeline_getrange(keys), None)
+        if prefixes is None:
+            self._counters.add(lookups=1)
+            return 0
+        num_hits = 0
+        for block_hash, prefix in zip(block_hashes, prefixes, strict=True):
+            if not prefix:
+                break
+            status = self.codec.check_prefix(block_hash, prefix)
+            if status is not DecodeStatus.OK:
+                self._counters.add(**{_REFUSED[status]: 1})
+                break
+            num_hits += 1
+        self._counters.add(lookups=1, lookup_hit_blocks=num_hits)
+        return num_hits
+
+    def store(
+        self,
+        block_hashes: Sequence[bytes],
+        payloads: Sequence[Payload],
+        salt: str | None = None,
+    ) -> bool:
+        """Write the blocks (one pipeline); False if any write may have failed."""
+        if len(block_hashes) != len(payloads):
+            raise ValueError(f"{len(block_hashes)} hashes but {len(payloads)} payloads")
+        if not block_hashes:
+            return True
+        keys = self._keys(block_hashes, salt)
+        values = [self.codec.encode(h, p) for h, p in zip(block_hashes, payloads, strict=True)]
+        ok = self._guarded("store", lambda: self._pipeline_set(keys, values), False)
+        if ok:
+            nbytes = sum(len(v) for v in values) - HEADER_SIZE * len(values)
+            self._counters.add(stored_blocks=len(values), stored_bytes=nbytes)
+        return ok
+
+    def load(
+        self, block_hashes: Sequence[bytes], salt: str | None = None
+    ) -> list[memoryview | None]:
+        """Each block's verified bytes (zero-copy views), or None where it is not servable.
+
+        A corrupt value is deleted (best effort) so the next lookup stops
+        before it instead of planning another failing load.
+        """
+        if not block_hashes:
+            return []
+        keys = self._keys(block_hashes, salt)
+        values = self._guarded("load", lambda: self._pipeline_get(keys), None)
+        if values is None:
+            return [None] * len(keys)
+        out: list[memoryview | None] = []
+        corrupt_keys = []
+        for block_hash, key, value in zip(block_hashes, keys, values, strict=True):
+            out.append(self._decode(block_hash, value))
+            if value is not None and out[-1] is None:
+                corrupt_keys.append(key)
+        if corrupt_keys:
+            self._guarded("delete", lambda: self.client.delete(*corrupt_keys), 0)
+        return out
+
+    def _decode(self, block_hash: bytes, value: bytes | None) -> memoryview | None:
+        if value is None:
+            self._counters.add(missing_blocks=1)
+            return None
+        status, payload = self.codec.decode(block_hash, value)
+        if payload is None:
+            self._counters.add(**{_REFUSED[status]: 1})
+            return None
+        self._counters.add(loaded_blocks=1, loaded_bytes=len(payload))
+        return payload
+
+    def ping(self) -> bool:
+        """One guarded PING: a cheap probe for a half-open breaker."""
+        return bool(self._guarded("ping", self.client.ping, False))
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _pipeline_getrange(self, keys: list[bytes]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getrange(key, 0, HEADER_SIZE - 1)
+        return pipe.execute()
+
+    def _pipeline_get(self, keys: list[bytes]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        return pipe.execute()
+
+    def _pipeline_set(self, keys: list[bytes], values: list[bytes]) -> bool:
+        pipe = self.client.pipeline(transaction=False)
+        for key, value in zip(keys, values, strict=True):
+            pipe.set(key, value, ex=self.config.ttl_s)
+        return all(pipe.execute())
+
+    def _guarded(self, what: str, call: Callable[[], T], fallback: T) -> T:
+        """Run one server call under the breaker; a failure becomes `fallback`."""
+        if not self.breaker.allow():
+            self._counters.add(skipped_calls=1)
+            return fallback
+        try:
+            result = call()
+        except (RedisError, OSError) as exc:
+            self._failed(what, exc)
+            return fallback
+        self.breaker.record_success()
+        return result
+
+    def _failed(self, what: str, exc: BaseException) -> bool:
+        was_open = self.breaker.state is BreakerState.OPEN
+        self.breaker.record_failure()
+        opened = not was_open and self.breaker.state is BreakerState.OPEN
+        self._counters.add(errors=1, breaker_opened=int(opened))
+        if opened:
+            log.warning(
+                "remote tier %s: %s failed (%s); skipping it for now", self._where(), what, exc
+            )
+        return False
+
+    def _where(self) -> str:
+        return self.config.redacted_url()
+
+
+def _auth_error(config: RemoteConfig, exc: BaseException) -> RemoteStartupError:
+    return RemoteStartupError(
+        f"remote tier {config.redacted_url()} refused our credentials ({exc}); "
+        "check the password in the URL or RemoteConfig.password"
+    )

@@ -1,0 +1,139 @@
+"""A real redis-server per test, on a free loopback port, in a temp dir.
+
+The server is started and stopped by the suite (never a shared system
+instance): tests kill it, pause it and restart it on the same port. Readiness
+is read from the server's own log line, so nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+REDIS_BIN = shutil.which("redis-server")
+_READY = "Ready to accept connections"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """One redis-server process that can be killed, paused and restarted in place."""
+
+    def __init__(self, workdir: Path, password: str | None = None, *args: str) -> None:
+        self.workdir = workdir
+        self.password = password
+        self.args = args
+        self.port = free_port()
+        self.proc: subprocess.Popen[str] | None = None
+        self._drainer: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        assert REDIS_BIN is not None
+        cmd = [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1"]
+        cmd += ["--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(
+            [*cmd, *self.args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        ready = threading.Event()
+        log: list[str] = []
+        self._drainer = threading.Thread(target=_drain, args=(self.proc, ready, log), daemon=True)
+        self._drainer.start()
+        if not ready.wait(timeout=15) or not any(_READY in line for line in log):
+            self.kill()
+            raise RuntimeError(f"redis-server did not start on {self.port}: {''.join(log)}")
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes mid-conversation, as in a crash."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=15)
+            if self._drainer is not None:
+                self._drainer.join(timeout=15)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+            self.proc = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+
+
+def _drain(proc: subprocess.Popen[str], ready: threading.Event, log: list[str]) -> None:
+    """Read the server's log to the end, so its pipe never fills; flag readiness."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if len(log) < 200:
+            log.append(line)
+        if _READY in line:
+            ready.set()
+    ready.set()  # exited: start() then sees a dead process via the log
+
+
+def require_redis() -> str:
+    if REDIS_BIN is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server not found in CI (make redis-server installs it)")
+        pytest.skip("redis-server binary not found (apt-get install redis-server)")
+    return REDIS_BIN
+
+
+def _serve(tmp_path: Path, password: str | None = None, *args: str) -> Iterator[RedisServer]:
+    require_redis()
+    server = RedisServer(tmp_path, password, *args)
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None:
+            server.resume()
+        server.kill()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    yield from _serve(tmp_path)
+
+
+@pytest.fixture
+def redis_server_with_password(tmp_path: Path) -> Iterator[RedisServer]:
+    yield from _serve(tmp_path, "s3cret-pw")
+
+
+class FakeClock:
+    """Virtual time for the circuit breaker: tests advance it instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

@@ -1,0 +1,125 @@
+"""The Redis store against a real redis-server: round trips, holes, refusals, tenancy."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.remote.codec import BlockCodec
+from kvtier.remote.config import RemoteConfig
+from kvtier.remote.redis_store import RedisBlockStore, RemoteStartupError
+from kvtier.types import int_block_hash
+from tests.remote.conftest import FakeClock, RedisServer
+
+FP = "model=tiny|dtype=fp16|layout=contiguous|block=16|hash=sha256_cbor|format=1"
+HASHES = [int_block_hash(i) for i in range(8)]
+PAYLOADS = [bytes([i]) * (1000 + i) for i in range(8)]
+
+
+def connect(server: RedisServer, fingerprint: str = FP, **kwargs: object) -> RedisBlockStore:
+    config = RemoteConfig(url=server.url, **kwargs)  # type: ignore[arg-type]
+    return RedisBlockStore.connect(config, fingerprint, FakeClock())
+
+
+def test_store_then_load_round_trip(redis_server: RedisServer) -> None:
+    store = connect(redis_server)
+    assert store.store(HASHES, PAYLOADS)
+    assert store.count_prefix(HASHES) == 8
+    assert [bytes(v) for v in store.load(HASHES) if v is not None] == PAYLOADS
+    stats = store.stats
+    assert (stats.stored_blocks, stats.loaded_blocks, stats.lookup_hit_blocks) == (8, 8, 8)
+    assert stats.stored_bytes == stats.loaded_bytes == sum(map(len, PAYLOADS))
+
+
+def test_lookup_stops_at_the_first_hole(redis_server: RedisServer) -> None:
+    store = connect(redis_server)
+    store.store(HASHES, PAYLOADS)
+    redis_server.client().delete(store.key(HASHES[3]))  # as if Redis evicted it
+    assert store.count_prefix(HASHES) == 3
+    assert store.count_prefix(HASHES[4:]) == 4
+    loaded = store.load(HASHES[2:5])
+    assert loaded[1] is None and store.stats.missing_blocks == 1
+
+
+def test_corrupt_value_is_counted_dropped_and_a_miss(redis_server: RedisServer) -> None:
+    store = connect(redis_server)
+    store.store(HASHES, PAYLOADS)
+    client = redis_server.client()
+    client.setrange(store.key(HASHES[1]), 48 + 500, b"\xff")  # one flipped payload byte
+    assert store.count_prefix(HASHES) == 8  # the header is intact: only a load can tell
+    loaded = store.load(HASHES[:3])
+    assert loaded[1] is None and loaded[0] is not None and loaded[2] is not None
+    assert store.stats.corrupt_blocks == 1
+    assert client.exists(store.key(HASHES[1])) == 0  # dropped: the next lookup stops there
+    assert store.count_prefix(HASHES) == 1
+
+
+def test_value_of_another_fingerprint_is_ignored(redis_server: RedisServer) -> None:
+    store = connect(redis_server)
+    foreign = BlockCodec.for_fingerprint("model=other|dtype=fp8")
+    redis_server.client().set(store.key(HASHES[0]), foreign.encode(HASHES[0], b"x" * 64))
+    assert store.count_prefix(HASHES) == 0
+    assert store.load(HASHES[:1]) == [None]
+    assert store.stats.foreign_blocks == 2
+
+
+def test_garbage_and_misplaced_values_are_refused(redis_server: RedisServer) -> None:
+    store = connect(redis_server)
+    store.store(HASHES[:2], PAYLOADS[:2])
+    client = redis_server.client()
+    client.set(store.key(HASHES[2]), b"\x80\x04\x95 a pickle would be here")
+    client.copy(store.key(HASHES[0]), store.key(HASHES[3]))  # valid value, wrong key
+    assert store.count_prefix(HASHES) == 2
+    assert store.count_prefix(HASHES[3:]) == 0
+    stats = store.stats
+    assert (stats.malformed_blocks, stats.wrong_key_blocks) == (1, 1)
+
+
+def test_engines_of_different_layouts_never_share(redis_server: RedisServer) -> None:
+    ours, theirs = connect(redis_server), connect(redis_server, fingerprint=FP + "-fp8")
+    ours.store(HASHES, PAYLOADS)
+    assert theirs.count_prefix(HASHES) == 0
+    assert connect(redis_server).count_prefix(HASHES) == 8  # same layout: shared
+
+
+def test_tenants_with_different_salts_never_share(redis_server: RedisServer) -> None:
+    store = connect(redis_server)
+    store.store(HASHES, PAYLOADS, salt="tenant-a")
+    assert store.count_prefix(HASHES, salt="tenant-a") == 8
+    assert store.count_prefix(HASHES, salt="tenant-b") == 0
+    assert store.count_prefix(HASHES) == 0
+    assert store.key(HASHES[0], "a") != store.key(HASHES[0], "b") != store.key(HASHES[0])
+
+
+def test_keys_carry_the_block_as_cluster_hash_tag() -> None:
+    config = RemoteConfig()
+    store = RedisBlockStore(None, BlockCodec.for_fingerprint(FP), config)  # type: ignore[arg-type]
+    key = store.key(int_block_hash(255), salt="t")
+    assert key.startswith(b"kvt:") and key.endswith(b"{00000000000000ff}")
+
+
+def test_ttl_is_applied(redis_server: RedisServer) -> None:
+    store = connect(redis_server, ttl_s=100)
+    store.store(HASHES[:1], PAYLOADS[:1])
+    assert 0 < redis_server.client().ttl(store.key(HASHES[0])) <= 100
+
+
+def test_mismatched_payload_count_is_an_error_before_any_io(redis_server: RedisServer) -> None:
+    store = connect(redis_server)
+    with pytest.raises(ValueError, match="2 hashes but 1 payloads"):
+        store.store(HASHES[:2], PAYLOADS[:1])
+    assert store.count_prefix(HASHES) == 0
+
+
+def test_password_server(redis_server_with_password: RedisServer) -> None:
+    server = redis_server_with_password
+    store = connect(server)
+    assert store.store(HASHES[:1], PAYLOADS[:1])
+    wrong = RemoteConfig(url=f"redis://:nope@127.0.0.1:{server.port}/0")
+    with pytest.raises(RemoteStartupError, match=r"refused our credentials.*password") as info:
+        RedisBlockStore.connect(wrong, FP)
+    assert "nope" not in str(info.value)  # never echo the secret
+    missing = RemoteConfig(url=f"redis://127.0.0.1:{server.port}/0")
+    with pytest.raises(RemoteStartupError, match="refused our credentials"):
+        RedisBlockStore.connect(missing, FP)
+    override = RemoteConfig(url=f"redis://:nope@127.0.0.1:{server.port}/0", password="s3cret-pw")
+    assert RedisBlockStore.connect(override, FP).count_prefix(HASHES) == 1
