@@ -104,3 +104,33 @@ def test_real_trace_shape(conversation_trace_path: Path) -> None:
     assert len(workload.requests) == 12_031
     assert (workload.block_refs, workload.unique_blocks) == (288_500, 182_790)
     assert workload.chained and workload.block_size == 512
+
+
+def test_tokens_reader_hashes_full_blocks_and_interns(tmp_path: Path) -> None:
+    from kvtier.hashing import hash_request_blocks
+    from kvtier.sim.traces import read_tokens
+
+    shared = list(range(32))
+    rows = [
+        {"token_ids": [*shared, 99], "output_length": 4},
+        {"token_ids": [*shared, 7, 8], "output_length": 4, "timestamp": 5},
+        {"token_ids": shared, "output_length": 1, "cache_salt": "tenant-b"},
+    ]
+    a, b, c = read_tokens(_write(tmp_path, "t.jsonl", rows), block_size=16)
+    assert a.hash_ids == b.hash_ids == (0, 1)  # same two full blocks; tails get no hash
+    assert set(c.hash_ids).isdisjoint(a.hash_ids)  # a salt changes every hash
+    assert (a.input_length, b.timestamp) == (33, 5.0)
+    assert len(hash_request_blocks([*shared, 99], 16)) == 2
+
+
+def test_tokens_reader_errors(tmp_path: Path) -> None:
+    from kvtier.sim.traces import read_tokens
+
+    path = _write(tmp_path, "t.jsonl", [{"token_ids": [1, "x"], "output_length": 1}])
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:1: field 'token_ids'"):
+        read_tokens(path)
+    path = _write(tmp_path, "t.jsonl", [{"token_ids": [1], "output_length": 1, "cache_salt": 3}])
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:1: field 'cache_salt'"):
+        read_tokens(path)
+    with pytest.raises(ValueError, match="unknown hash algorithm"):
+        read_tokens(path, algorithm="md5")

@@ -11,12 +11,11 @@ came from. Timestamps are milliseconds since the trace start in every format
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args
 
 
 class TraceFormatError(ValueError):
@@ -157,9 +156,10 @@ def read_tokens(
     `cache_salt` and `lora_name`. Only full blocks get a hash, as in the engine.
     The hashes are interned to dense integers so the replay treats every format alike.
     """
-    # Imported on use: the other readers must work without the hashing layer loaded.
-    hash_request_blocks = importlib.import_module("kvtier.hashing").hash_request_blocks
+    from kvtier.hashing import HashAlgorithm, hash_request_blocks
 
+    if algorithm not in get_args(HashAlgorithm):
+        raise ValueError(f"unknown hash algorithm {algorithm!r}; known: {get_args(HashAlgorithm)}")
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     interned: dict[bytes, int] = {}
@@ -176,7 +176,11 @@ def read_tokens(
                 raise TraceFormatError(f"{where}: field {name!r} must be a string, got {value!r}")
         ts = _timestamp(obj, where) if "timestamp" in obj else float(index)
         hashes = hash_request_blocks(
-            token_ids, block_size, cache_salt=salt, lora_name=lora, algorithm=algorithm
+            token_ids,
+            block_size,
+            cache_salt=salt,
+            lora_name=lora,
+            algorithm=cast("HashAlgorithm", algorithm),  # checked above
         )
         ids = tuple(interned.setdefault(bytes(h), len(interned)) for h in hashes)
         requests.append(TraceRequest(ts, len(token_ids), output_length, ids))

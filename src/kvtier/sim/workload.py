@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvtier.sim.traces import TraceRequest, read_bailian, read_mooncake, read_tokens
+from kvtier.types import BlockHash, int_block_hash
 
 TraceFormat = Literal["mooncake", "bailian", "tokens"]
 FORMATS: tuple[str, ...] = ("mooncake", "bailian", "tokens")
@@ -55,6 +56,11 @@ class Workload:
         for ids in self.block_ids:
             seen.update(ids)
         return len(seen)
+
+    @cached_property
+    def block_hashes(self) -> tuple[list[BlockHash], ...]:
+        """Each request's ids packed as block hashes, once: every replay of it reuses them."""
+        return tuple([int_block_hash(b) for b in ids] for ids in self.block_ids)
 
     @cached_property
     def input_tokens(self) -> int:
