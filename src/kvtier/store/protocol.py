@@ -1,0 +1,52 @@
+"""What a block store must implement to be driven by a transfer worker.
+
+A store only sees host bytes: the worker gathers each device block into one
+contiguous host row (layout byte order, `KVLayout.bytes_per_block` long) before
+`write_blocks`, and scatters rows back to the device after `read_blocks`. So a new
+medium (disk, Redis, ...) is a class with three members, and plugs into
+`kvtier.transfer.TransferWorker.for_store(kv, store)`:
+
+```python
+class MyStore:
+    layout: KVLayout                      # its fingerprint guards the medium
+
+    def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
+        # Persist blocks[i] under the i-th entry of `spec`. Return only once every
+        # block is durable and readable; raise (any Exception) on failure.
+
+    def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
+        # Fill the writable blocks[i] with the bytes stored for the i-th entry of
+        # `spec`. Verify checksums; raise BlockLoadError on a missing or corrupt
+        # block (after dropping it and counting it).
+```
+
+`spec` is whatever the medium's offloading `Backend` hands out (slot ids for CPU,
+block hashes for disk and remote stores). Stores are called from worker threads: one
+thread per direction, so a store sees at most one write and one read at a time, and
+must tolerate those two running concurrently. A raised exception fails that job only;
+the worker reports it and never lets it reach the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from kvtier.offload.abstract import LoadStoreSpec
+from kvtier.store.layout import KVLayout
+
+
+class BlockLoadError(RuntimeError):
+    """A load could not return intact bytes (missing, torn or corrupt block)."""
+
+
+@runtime_checkable
+class BlockStore(Protocol):
+    """A medium holding whole blocks as host bytes; see the module docstring."""
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None: ...
+
+    def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None: ...

@@ -1,0 +1,132 @@
+"""The engine's KV cache as the data plane sees it: per-block byte segments.
+
+Both engine layouts (see `kvtier.store.layout`) are reduced to a list of uint8
+views `[num_blocks, segment_bytes]`; a host buffer of slots is cut the same way, so
+one copy routine serves every direction. Copies are batched over runs of
+consecutive block ids on both sides: the scheduler hands out consecutive slots
+whenever it can, and one strided copy per run and segment costs a few microseconds
+instead of one call per block.
+
+With CUDA, copies run on a dedicated stream that first waits on an event recorded
+on the compute stream when the job was submitted (so a store never reads a block
+before the kernel that writes it has run), and the worker waits on the copy's own
+event before reporting the job done. Without CUDA the same code runs on CPU tensors
+and the events are skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvtier.store.layout import KVLayout
+
+
+def allocate_kv_caches(
+    layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"
+) -> list[torch.Tensor]:
+    """Zeroed engine caches in `layout`'s shape (one per layer, or one in all)."""
+    dtype = getattr(torch, layout.dtype)
+    plane = (layout.block_size, layout.num_kv_heads, layout.head_size)
+    if layout.per_layer:
+        shape: tuple[int, ...] = (2, num_blocks, *plane)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+    return [torch.zeros((num_blocks, layout.num_layers, 2, *plane), dtype=dtype, device=device)]
+
+
+class DeviceKV:
+    """The engine's caches, validated against a layout and cut into block segments."""
+
+    def __init__(self, layout: KVLayout, caches: Sequence[torch.Tensor]) -> None:
+        expected = layout.num_layers if layout.per_layer else 1
+        if len(caches) != expected:
+            raise ValueError(f"layout needs {expected} cache tensor(s), got {len(caches)}")
+        self.layout = layout
+        self.caches = list(caches)
+        self.device = self.caches[0].device
+        self.num_blocks = int(self.caches[0].shape[1 if layout.per_layer else 0])
+        self.segments = self._segments()
+        self.is_cuda = self.device.type == "cuda"
+
+    def _segments(self) -> list[torch.Tensor]:
+        segments: list[torch.Tensor] = []
+        for tensor in self.caches:
+            self._check(tensor)
+            raw = tensor.view(torch.uint8)
+            planes = [raw[0], raw[1]] if self.layout.per_layer else [raw]
+            segments.extend(p.view(self.num_blocks, self.layout.segment_bytes) for p in planes)
+        return segments
+
+    def _check(self, tensor: torch.Tensor) -> None:
+        lay = self.layout
+        plane = (lay.block_size, lay.num_kv_heads, lay.head_size)
+        shape = (
+            (2, self.num_blocks, *plane)
+            if lay.per_layer
+            else (self.num_blocks, lay.num_layers, 2, *plane)
+        )
+        if tuple(tensor.shape) != shape or str(tensor.dtype) != f"torch.{lay.dtype}":
+            raise ValueError(
+                f"cache tensor {tuple(tensor.shape)} {tensor.dtype} does not match layout "
+                f"shape {shape} dtype {lay.dtype}"
+            )
+        if not tensor.is_contiguous() or tensor.device != self.device:
+            raise ValueError("cache tensors must be contiguous and on one device")
+
+    def block_ids(self, ids: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """`ids` as an int64 array, checked against the number of device blocks."""
+        array = np.asarray(ids, dtype=np.int64)
+        if array.ndim != 1:
+            raise ValueError(f"device block ids must be a flat sequence, got shape {array.shape}")
+        if array.size and (int(array.min()) < 0 or int(array.max()) >= self.num_blocks):
+            raise ValueError(f"device block ids {array.tolist()} outside [0, {self.num_blocks})")
+        return array
+
+    def record_compute(self) -> Any:
+        """An event on the current (compute) stream; copies of this job wait on it."""
+        if not self.is_cuda:
+            return None
+        event = cuda_event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+
+def cuda_event() -> Any:
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+
+def cuda_stream(device: torch.device) -> Any:
+    return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+
+def coalesce_runs(
+    src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64]
+) -> list[tuple[int, int, int]]:
+    """Split paired ids into maximal runs consecutive on both sides: (src, dst, length)."""
+    if src_ids.size == 0:
+        return []
+    step = (np.diff(src_ids) == 1) & (np.diff(dst_ids) == 1)
+    starts = np.flatnonzero(~step) + 1
+    bounds = [0, *starts.tolist(), int(src_ids.size)]
+    return [(int(src_ids[a]), int(dst_ids[a]), b - a) for a, b in itertools.pairwise(bounds)]
+
+
+def copy_blocks(
+    src: Sequence[torch.Tensor],
+    src_ids: npt.NDArray[np.int64],
+    dst: Sequence[torch.Tensor],
+    dst_ids: npt.NDArray[np.int64],
+) -> int:
+    """Copy blocks segment by segment (asynchronously when a side is on CUDA); bytes moved."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destinations")
+    non_blocking = src[0].is_cuda or dst[0].is_cuda
+    for s, d, n in coalesce_runs(src_ids, dst_ids):
+        for src_seg, dst_seg in zip(src, dst, strict=True):
+            dst_seg[d : d + n].copy_(src_seg[s : s + n], non_blocking=non_blocking)
+    return len(src_ids) * sum(int(seg.shape[1]) for seg in src)

@@ -1,0 +1,149 @@
+"""How one job's bytes move, per kind of medium; the worker supplies threads and order.
+
+- `HostSlotHandler`: the memory tier. Device blocks are copied straight into (and
+  out of) the store's slot rows: no staging, one strided copy per run of consecutive
+  ids and segment.
+- `StagedHandler`: any `BlockStore` (disk, Redis). Device blocks are gathered into
+  contiguous host rows, which the store writes; loads go the other way. On a CPU
+  device with the cross-layer layout a block already is one contiguous row, so the
+  store reads and writes the engine's memory directly (zero copies).
+
+A handler method raises on failure; the worker turns that into a failed job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvtier.offload.abstract import LoadStoreSpec
+from kvtier.store.memory import MemoryStore
+from kvtier.store.protocol import BlockStore
+from kvtier.transfer.device import DeviceKV, copy_blocks, cuda_event, cuda_stream
+
+
+class TransferHandler(Protocol):
+    """What the worker calls; `prepare_store` runs on the submitting thread."""
+
+    kv: DeviceKV
+
+    def prepare_store(self) -> Any: ...
+
+    def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int: ...
+
+    def load(self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64]) -> int: ...
+
+
+class _Streams:
+    """One CUDA copy stream per direction, so stores and loads overlap."""
+
+    def __init__(self, kv: DeviceKV) -> None:
+        self.kv = kv
+        self.store = cuda_stream(kv.device) if kv.is_cuda else None
+        self.load = cuda_stream(kv.device) if kv.is_cuda else None
+
+    def run(self, stream: Any, ready: Any, copy: Callable[[], int]) -> int:
+        """Run `copy` on `stream` after `ready`, and return once the copy has finished."""
+        if stream is None:
+            return copy()
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            moved = copy()
+            done = cuda_event()
+            done.record(stream)
+        done.synchronize()
+        return moved
+
+
+class HostSlotHandler:
+    """Device <-> memory-tier slots, copied directly."""
+
+    def __init__(self, kv: DeviceKV, store: MemoryStore) -> None:
+        if store.layout.fingerprint != kv.layout.fingerprint:
+            store.layout.check_compatible(kv.layout.fingerprint, "the memory store")
+        self.kv = kv
+        self.host = store
+        self._streams = _Streams(kv)
+        self._host_segments = store.segments()
+
+    def prepare_store(self) -> Any:
+        return self.kv.record_compute()
+
+    def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
+        slots = self.host.slot_ids(spec)
+        moved = self._streams.run(
+            self._streams.store,
+            ready,
+            lambda: copy_blocks(self.kv.segments, device_ids, self._host_segments, slots),
+        )
+        self.host.seal(slots)
+        return moved
+
+    def load(self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64]) -> int:
+        slots = self.host.slot_ids(spec)
+        self.host.verify(slots)
+        return self._streams.run(
+            self._streams.load,
+            None,
+            lambda: copy_blocks(self._host_segments, slots, self.kv.segments, device_ids),
+        )
+
+
+class StagedHandler:
+    """Device <-> any `BlockStore`, through contiguous host rows."""
+
+    def __init__(self, kv: DeviceKV, store: BlockStore) -> None:
+        if store.layout.fingerprint != kv.layout.fingerprint:
+            store.layout.check_compatible(kv.layout.fingerprint, "the block store")
+        self.kv = kv
+        self.medium = store
+        self._streams = _Streams(kv)
+        self._direct = kv.device.type == "cpu" and not kv.layout.per_layer
+        self._device_rows = kv.segments[0].numpy() if self._direct else None
+        self._staging: dict[str, MemoryStore] = {}
+
+    def prepare_store(self) -> Any:
+        return self.kv.record_compute()
+
+    def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
+        if self._device_rows is not None:
+            rows = [memoryview(self._device_rows[i]) for i in device_ids.tolist()]
+            self.medium.write_blocks(spec, rows)
+            return len(rows) * self.kv.layout.bytes_per_block
+        staging = self._stage("store", len(device_ids))
+        slots = np.arange(len(device_ids), dtype=np.int64)
+        moved = self._streams.run(
+            self._streams.store,
+            ready,
+            lambda: copy_blocks(self.kv.segments, device_ids, staging.segments(), slots),
+        )
+        self.medium.write_blocks(spec, [memoryview(staging.array[i]) for i in slots.tolist()])
+        return moved
+
+    def load(self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64]) -> int:
+        if self._device_rows is not None:
+            rows = [memoryview(self._device_rows[i]) for i in device_ids.tolist()]
+            self.medium.read_blocks(spec, rows)
+            return len(rows) * self.kv.layout.bytes_per_block
+        staging = self._stage("load", len(device_ids))
+        slots = np.arange(len(device_ids), dtype=np.int64)
+        self.medium.read_blocks(spec, [memoryview(staging.array[i]) for i in slots.tolist()])
+        return self._streams.run(
+            self._streams.load,
+            None,
+            lambda: copy_blocks(staging.segments(), slots, self.kv.segments, device_ids),
+        )
+
+    def _stage(self, direction: str, num_blocks: int) -> MemoryStore:
+        """This direction's staging rows, grown (never shrunk) to fit the job."""
+        staging = self._staging.get(direction)
+        if staging is None or staging.num_slots < num_blocks:
+            size = max(num_blocks, 2 * staging.num_slots if staging else 8)
+            staging = MemoryStore(self.kv.layout, size, pin_memory=self.kv.is_cuda)
+            self._staging[direction] = staging
+        return staging

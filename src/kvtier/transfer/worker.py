@@ -1,0 +1,203 @@
+"""Asynchronous transfer worker: one per medium, driven by the scheduler loop.
+
+API (vLLM's offloading-worker shape):
+
+- `submit_store(job_id, device_block_ids, dst_spec)`: copy device blocks out to the
+  medium slots/keys named by `dst_spec` (from the medium's offloading `Backend`).
+- `submit_load(job_id, src_spec, device_block_ids)`: copy blocks back in.
+- `get_finished() -> [TransferResult(job_id, ok, bytes, seconds)]`: results since
+  the last call; unpacks as a 4-tuple.
+- `wait(job_ids)`: block until those jobs have finished (results stay queued for
+  `get_finished`).
+
+Why this shape: the scheduler must never block on bytes, and must never see an
+exception from a medium. So each direction has one thread and a bounded queue; a
+submission to a full queue, a medium error or a checksum failure all become a
+failed result (`ok=False`), and the scheduler answers with
+`complete_store(..., success=False)` or treats the load as a miss. Results are
+released in submission order per direction (a rejected job waits for the jobs
+submitted before it), so a store completes only after every earlier store of the
+same worker. Threads suffice: torch copies, file I/O, hashing and sockets all
+release the GIL.
+
+Plugging in a medium: anything implementing `kvtier.store.protocol.BlockStore`
+(`layout`, `write_blocks(spec, blocks)`, `read_blocks(spec, blocks)`) gets a worker
+from `TransferWorker.for_store(kv, store)`; the memory tier's `MemoryStore` gets the
+direct-copy handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.offload.abstract import LoadStoreSpec
+from kvtier.store.memory import MemoryStore
+from kvtier.store.protocol import BlockStore
+from kvtier.transfer.device import DeviceKV
+from kvtier.transfer.handlers import HostSlotHandler, StagedHandler, TransferHandler
+
+log = logging.getLogger(__name__)
+
+STORE = "store"
+LOAD = "load"
+_STOP = object()
+
+
+class TransferResult(NamedTuple):
+    job_id: int
+    ok: bool
+    bytes: int
+    seconds: float
+
+
+class _Job(NamedTuple):
+    job_id: int
+    device_ids: npt.NDArray[np.int64]
+    spec: LoadStoreSpec
+    ready: Any
+
+
+class TransferWorker:
+    """Threads and ordering around a `TransferHandler`; see the module docstring."""
+
+    def __init__(self, handler: TransferHandler, *, max_queued_jobs: int = 64) -> None:
+        if max_queued_jobs < 1:
+            raise ValueError(f"max_queued_jobs must be >= 1, got {max_queued_jobs}")
+        self.handler = handler
+        self._lock = threading.Condition()
+        self._outstanding: set[int] = set()
+        self._order: dict[str, deque[int]] = {STORE: deque(), LOAD: deque()}
+        self._done: dict[int, TransferResult] = {}
+        self._finished: list[TransferResult] = []
+        self.errors: deque[tuple[int, str]] = deque(maxlen=256)
+        self._queues: dict[str, queue.Queue[Any]] = {
+            d: queue.Queue(maxsize=max_queued_jobs) for d in (STORE, LOAD)
+        }
+        self._threads = [
+            threading.Thread(target=self._serve, args=(d,), name=f"kvtier-{d}", daemon=True)
+            for d in (STORE, LOAD)
+        ]
+        self._closed = False
+        for thread in self._threads:
+            thread.start()
+
+    @classmethod
+    def for_store(
+        cls, kv: DeviceKV, store: BlockStore | MemoryStore, *, max_queued_jobs: int = 64
+    ) -> TransferWorker:
+        """A worker moving `kv`'s blocks to and from `store` (direct copies for memory)."""
+        handler: TransferHandler
+        if isinstance(store, MemoryStore):
+            handler = HostSlotHandler(kv, store)
+        else:
+            handler = StagedHandler(kv, store)
+        return cls(handler, max_queued_jobs=max_queued_jobs)
+
+    # submission (scheduler thread)
+
+    def submit_store(
+        self,
+        job_id: int,
+        device_block_ids: Sequence[int] | npt.NDArray[np.int64],
+        dst_spec: LoadStoreSpec,
+    ) -> bool:
+        """Queue a store; False when rejected (reported later as a failed result)."""
+        ids = self.handler.kv.block_ids(device_block_ids)
+        job = _Job(job_id, ids, dst_spec, self.handler.prepare_store())
+        return self._submit(STORE, job)
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        device_block_ids: Sequence[int] | npt.NDArray[np.int64],
+    ) -> bool:
+        """Queue a load; False when rejected (reported later as a failed result)."""
+        ids = self.handler.kv.block_ids(device_block_ids)
+        return self._submit(LOAD, _Job(job_id, ids, src_spec, None))
+
+    def _submit(self, direction: str, job: _Job) -> bool:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("submit on a closed TransferWorker")
+            if job.job_id in self._outstanding:
+                raise ValueError(f"job id {job.job_id} is already in flight")
+            self._outstanding.add(job.job_id)
+            self._order[direction].append(job.job_id)
+        try:
+            self._queues[direction].put_nowait(job)
+        except queue.Full:
+            self.errors.append((job.job_id, f"{direction} queue full"))
+            self._complete(direction, TransferResult(job.job_id, False, 0, 0.0))
+            return False
+        return True
+
+    # completion
+
+    def get_finished(self) -> list[TransferResult]:
+        """Results released since the last call, in submission order per direction."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
+        """Block until every listed job has finished; False on timeout."""
+        wanted = set(job_ids)
+        with self._lock:
+            return self._lock.wait_for(lambda: not (wanted & self._outstanding), timeout)
+
+    def close(self) -> None:
+        """Finish queued jobs, then stop the threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for direction in (STORE, LOAD):
+            self._queues[direction].put(_STOP)
+        for thread in self._threads:
+            thread.join()
+
+    def __enter__(self) -> TransferWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # worker threads
+
+    def _serve(self, direction: str) -> None:
+        jobs = self._queues[direction]
+        while (job := jobs.get()) is not _STOP:
+            self._complete(direction, self._run(direction, job))
+
+    def _run(self, direction: str, job: _Job) -> TransferResult:
+        start = time.perf_counter()
+        try:
+            if direction == STORE:
+                moved = self.handler.store(job.device_ids, job.spec, job.ready)
+            else:
+                moved = self.handler.load(job.spec, job.device_ids)
+        except Exception as exc:  # a medium failure fails this job, never the scheduler
+            log.warning("%s job %s failed: %r", direction, job.job_id, exc)
+            self.errors.append((job.job_id, repr(exc)))
+            return TransferResult(job.job_id, False, 0, time.perf_counter() - start)
+        return TransferResult(job.job_id, True, moved, time.perf_counter() - start)
+
+    def _complete(self, direction: str, result: TransferResult) -> None:
+        with self._lock:
+            self._done[result.job_id] = result
+            order = self._order[direction]
+            while order and order[0] in self._done:
+                released = self._done.pop(order.popleft())
+                self._outstanding.discard(released.job_id)
+                self._finished.append(released)
+            self._lock.notify_all()

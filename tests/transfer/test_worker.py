@@ -1,0 +1,182 @@
+"""Transfer workers: byte-identical round trips, ordering, failures reported, never raised."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from kvtier.offload.abstract import LoadStoreSpec
+from kvtier.offload.mediums import CPULoadStoreSpec
+from kvtier.store.layout import KVLayout, LayoutMismatchError
+from kvtier.store.memory import MemoryStore
+from kvtier.transfer.device import coalesce_runs
+from kvtier.transfer.worker import TransferWorker
+from tests.transfer.helpers import (
+    LAYOUTS,
+    PER_LAYER,
+    DictStore,
+    HashSpec,
+    block_bytes,
+    hashes,
+    random_kv,
+)
+
+# Six jobs of four blocks: consecutive and scattered ids on both sides.
+DEVICE_JOBS = [
+    [0, 1, 2, 3],
+    [7, 5, 6, 4],
+    [8, 10, 9, 11],
+    [12, 13, 20, 21],
+    [30, 2, 17, 18],
+    [25, 26, 27, 28],
+]
+SLOT_JOBS = [
+    [0, 1, 2, 3],
+    [4, 5, 6, 7],
+    [15, 9, 8, 14],
+    [10, 11, 12, 13],
+    [16, 20, 18, 19],
+    [22, 23, 21, 17],
+]
+
+
+def test_coalesce_runs_pairs_consecutive_ids_only() -> None:
+    src = np.array([4, 5, 6, 9, 10, 3], dtype=np.int64)
+    dst = np.array([0, 1, 3, 4, 5, 6], dtype=np.int64)
+    assert coalesce_runs(src, dst) == [(4, 0, 2), (6, 3, 1), (9, 4, 2), (3, 6, 1)]
+    assert coalesce_runs(src[:0], dst[:0]) == []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["per_layer", "cross_layer"])
+@pytest.mark.parametrize("medium", ["memory", "staged"])
+def test_round_trip_is_byte_identical_under_concurrent_jobs(layout: KVLayout, medium: str) -> None:
+    kv = random_kv(layout, num_blocks=32, seed=1)
+    expected = {
+        slot: block_bytes(kv, dev)
+        for d, s in zip(DEVICE_JOBS, SLOT_JOBS, strict=True)
+        for dev, slot in zip(d, s, strict=True)
+    }
+    store = MemoryStore(layout, 24) if medium == "memory" else DictStore(layout)
+
+    def spec(slots: Sequence[int]) -> LoadStoreSpec:
+        return CPULoadStoreSpec(list(slots)) if medium == "memory" else hashes(*slots)
+
+    with TransferWorker.for_store(kv, store, max_queued_jobs=8) as worker:
+        for job_id, (dev, slots) in enumerate(zip(DEVICE_JOBS, SLOT_JOBS, strict=True)):
+            assert worker.submit_store(job_id, dev, spec(slots))
+        assert worker.wait(range(6))
+        stored = worker.get_finished()
+        for cache in kv.caches:
+            cache.zero_()
+        # Load every slot back into a different device block, again as concurrent jobs.
+        targets = list(range(31, 7, -1))
+        for job_id in range(6):
+            slots = list(range(4 * job_id, 4 * job_id + 4))
+            assert worker.submit_load(
+                100 + job_id, spec(slots), targets[4 * job_id : 4 * job_id + 4]
+            )
+        assert worker.wait(range(100, 106))
+        loaded = worker.get_finished()
+    assert [r.job_id for r in stored] == list(range(6)) and all(r.ok for r in stored)
+    assert [r.job_id for r in loaded] == list(range(100, 106)) and all(r.ok for r in loaded)
+    assert {r.bytes for r in stored + loaded} == {4 * layout.bytes_per_block}
+    for slot, device_block in enumerate(targets):
+        assert block_bytes(kv, device_block) == expected[slot], f"slot {slot}"
+
+
+def test_failed_job_is_reported_and_later_jobs_still_run() -> None:
+    kv = random_kv(PER_LAYER, num_blocks=8, seed=2)
+    store = DictStore(PER_LAYER)
+    store.broken = set(hashes(2).block_hashes)
+    with TransferWorker.for_store(kv, store) as worker:
+        worker.submit_store(1, [0], hashes(1))
+        worker.submit_store(2, [1], hashes(2))
+        worker.submit_store(3, [2], hashes(3))
+        worker.submit_load(4, hashes(9), [3])  # never stored: a miss, not an exception
+        worker.wait([1, 2, 3, 4])
+        results = {r.job_id: r for r in worker.get_finished()}
+    assert [results[j].ok for j in (1, 2, 3, 4)] == [True, False, True, False]
+    assert results[2].bytes == 0
+    assert sorted(job for job, _ in worker.errors) == [2, 4]
+
+
+class GatedStore(DictStore):
+    """Blocks every write until `gate` is set, and says when a write has started."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        super().__init__(layout)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
+        self.entered.set()
+        self.gate.wait()
+        super().write_blocks(spec, blocks)
+
+
+def test_full_queue_rejects_and_results_keep_submission_order() -> None:
+    kv = random_kv(PER_LAYER, num_blocks=8, seed=3)
+    store = GatedStore(PER_LAYER)
+    with TransferWorker.for_store(kv, store, max_queued_jobs=1) as worker:
+        assert worker.submit_store(1, [0], hashes(1))
+        store.entered.wait()
+        assert worker.submit_store(2, [1], hashes(2))  # queued
+        assert not worker.submit_store(3, [2], hashes(3))  # queue full: rejected
+        assert worker.get_finished() == []  # job 3 waits for jobs 1 and 2
+        assert not worker.wait([3], timeout=0)
+        store.gate.set()
+        assert worker.wait([1, 2, 3])
+        results = worker.get_finished()
+    assert [(r.job_id, r.ok) for r in results] == [(1, True), (2, True), (3, False)]
+
+
+def test_caller_mistakes_raise_and_change_nothing() -> None:
+    kv = random_kv(PER_LAYER, num_blocks=4, seed=4)
+    store = MemoryStore(PER_LAYER, 4)
+    with TransferWorker.for_store(kv, store) as worker:
+        with pytest.raises(ValueError, match="outside"):
+            worker.submit_store(1, [0, 4], CPULoadStoreSpec([0, 1]))
+        assert worker.submit_store(1, [0], CPULoadStoreSpec([0]))
+        worker.wait([1])
+        assert worker.submit_store(1, [1], CPULoadStoreSpec([1]))  # finished ids may be reused
+        worker.wait([1])
+        assert [r.job_id for r in worker.get_finished()] == [1, 1]
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.submit_load(2, CPULoadStoreSpec([0]), [0])
+
+
+def test_a_store_spec_out_of_range_fails_the_job_not_the_caller() -> None:
+    kv = random_kv(PER_LAYER, num_blocks=4, seed=5)
+    with TransferWorker.for_store(kv, MemoryStore(PER_LAYER, 2)) as worker:
+        worker.submit_store(1, [0], CPULoadStoreSpec([5]))
+        worker.submit_store(2, [0], HashSpec([]))
+        worker.wait([1, 2])
+        assert [r.ok for r in worker.get_finished()] == [False, False]
+
+
+def test_memory_checksums_catch_a_flipped_byte() -> None:
+    kv = random_kv(PER_LAYER, num_blocks=4, seed=6)
+    store = MemoryStore(PER_LAYER, 4, checksums=True)
+    with TransferWorker.for_store(kv, store) as worker:
+        worker.submit_store(1, [0, 1], CPULoadStoreSpec([0, 1]))
+        worker.wait([1])
+        store.array[1, 17] ^= 0xFF
+        worker.submit_load(2, CPULoadStoreSpec([0]), [2])
+        worker.submit_load(3, CPULoadStoreSpec([1]), [3])
+        worker.wait([2, 3])
+        assert [r.ok for r in worker.get_finished()] == [True, True, False]
+    assert store.num_checksum_failures == 1
+    assert block_bytes(kv, 2) == block_bytes(kv, 0)
+
+
+def test_a_store_with_another_layout_is_refused() -> None:
+    kv = random_kv(PER_LAYER, num_blocks=4, seed=7)
+    other = dataclasses.replace(PER_LAYER, model_id="other-model")
+    with pytest.raises(LayoutMismatchError):
+        TransferWorker.for_store(kv, MemoryStore(other, 4))
+    with pytest.raises(LayoutMismatchError):
+        TransferWorker.for_store(kv, DictStore(other))
