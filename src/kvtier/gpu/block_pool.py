@@ -1,0 +1,210 @@
+"""The block pool: every block, the free queue, the prefix-cache index and its events."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from kvtier.gpu.block import KVCacheBlock
+from kvtier.gpu.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvtier.gpu.free_queue import FreeKVCacheBlockQueue
+from kvtier.types import BlockHash
+
+EvictionHook = Callable[[BlockHash], None]
+
+
+class BlockPool:
+    """Owns `num_gpu_blocks` blocks; hands them out, takes them back, caches full ones.
+
+    A cached block stays in the hash index while it sits in the free queue, so a later
+    request can revive it; it leaves the index only when the free queue hands its
+    memory to someone else ("evicted", one `BlockRemoved` each). Identical blocks are
+    not de-duplicated (block tables only ever grow by appending), so one hash may name
+    several blocks; a lookup returns the earliest cached one.
+
+    With `with_null_block`, block 0 is taken out at start as the placeholder that
+    sliding-window block tables hold for blocks they no longer need (as vLLM does); its
+    reference count is not maintained and it is never freed or cached.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        *,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        with_null_block: bool = False,
+        on_evict: EvictionHook | None = None,
+    ) -> None:
+        minimum = 2 if with_null_block else 1
+        if isinstance(num_gpu_blocks, bool) or not isinstance(num_gpu_blocks, int):
+            raise ValueError(f"num_gpu_blocks must be an int, got {num_gpu_blocks!r}")
+        if num_gpu_blocks < minimum:
+            raise ValueError(f"num_gpu_blocks must be >= {minimum}, got {num_gpu_blocks}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.on_evict = on_evict
+        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block: KVCacheBlock | None = None
+        if with_null_block:
+            self.null_block = self.free_block_queue.popleft()
+            self.null_block.is_null = True
+        # hash -> the block, or {block_id: block} in caching order when duplicated.
+        self._cached: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self._events: list[KVCacheEvent] = []
+
+    # --- the prefix-cache index -------------------------------------------------------
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The earliest cached block with this hash, or None."""
+        entry = self._cached.get(block_hash)
+        if entry is None or type(entry) is KVCacheBlock:
+            return entry
+        assert isinstance(entry, dict)
+        return next(iter(entry.values()))
+
+    def find_longest_prefix(
+        self, block_hashes: Sequence[BlockHash], max_num_blocks: int
+    ) -> list[KVCacheBlock]:
+        """The cached blocks of the first `max_num_blocks` hashes, up to the first miss."""
+        cached = self._cached
+        blocks: list[KVCacheBlock] = []
+        for i in range(max_num_blocks):
+            entry = cached.get(block_hashes[i])
+            if entry is None:
+                break
+            if type(entry) is dict:
+                entry = next(iter(entry.values()))
+            assert isinstance(entry, KVCacheBlock)
+            blocks.append(entry)
+        return blocks
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
+
+    @property
+    def num_cached_hashes(self) -> int:
+        """Distinct hashes in the index."""
+        return len(self._cached)
+
+    def cached_items(self) -> list[tuple[BlockHash, list[KVCacheBlock]]]:
+        """Every (hash, blocks) pair of the index (inspection and tests; O(n))."""
+        return [
+            (h, [e] if isinstance(e, KVCacheBlock) else list(e.values()))
+            for h, e in self._cached.items()
+        ]
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached: int,
+        num_full: int,
+        block_size: int,
+        token_ids: Sequence[int] | None,
+        lora_name: str | None,
+    ) -> None:
+        """Register `blocks[num_cached:num_full]` under `block_hashes[num_cached:num_full]`."""
+        cached = self._cached
+        for i in range(num_cached, num_full):
+            block = blocks[i]
+            if block.is_null:
+                continue
+            block_hash = block_hashes[i]
+            block.block_hash = block_hash
+            entry = cached.get(block_hash)
+            if entry is None:
+                cached[block_hash] = block
+            elif type(entry) is dict:
+                entry[block.block_id] = block
+            else:
+                assert isinstance(entry, KVCacheBlock)
+                cached[block_hash] = {entry.block_id: entry, block.block_id: block}
+        if self.enable_kv_cache_events:
+            tokens = (
+                ()
+                if token_ids is None
+                else token_ids[num_cached * block_size : num_full * block_size]
+            )
+            self._events.append(
+                BlockStored(
+                    block_hashes=tuple(block_hashes[num_cached:num_full]),
+                    parent_block_hash=block_hashes[num_cached - 1] if num_cached else None,
+                    token_ids=tuple(tokens),
+                    block_size=block_size,
+                    lora_name=lora_name,
+                )
+            )
+
+    def _evict_cached_block(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None
+        block.block_hash = None
+        entry = self._cached[block_hash]
+        if type(entry) is dict:
+            del entry[block.block_id]
+            if len(entry) == 1:
+                self._cached[block_hash] = next(iter(entry.values()))
+        else:
+            del self._cached[block_hash]
+        if self.enable_kv_cache_events:
+            self._events.append(BlockRemoved(block_hashes=(block_hash,)))
+        if self.on_evict is not None:
+            self.on_evict(block_hash)
+
+    # --- allocation -------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (reference count > 0), the null block included."""
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_gpu_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop blocks from the free-queue head, evicting their cached hashes; ref count 1."""
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict_cached_block(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, reviving those sitting in the free queue."""
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the tail in the given order."""
+        append = self.free_block_queue.append
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        num_reserved = 0 if self.null_block is None else 1
+        if self.num_gpu_blocks - self.get_num_free_blocks() > num_reserved:
+            return False
+        self._cached.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        if self.enable_kv_cache_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, in order (and forget them)."""
+        events, self._events = self._events, []
+        return events

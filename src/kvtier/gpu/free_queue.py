@@ -1,0 +1,114 @@
+"""The free-block queue: every block with reference count 0, in eviction order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from kvtier.gpu.block import KVCacheBlock
+
+
+class FreeKVCacheBlockQueue:
+    """A doubly linked list threaded through the blocks themselves.
+
+    Not a deque, because a prefix hit must pull a cached block out of the MIDDLE of the
+    queue in O(1); and the links live on the blocks, so no operation allocates. Two
+    sentinel blocks (id -1) remove every empty-list branch.
+
+    Order: the head is evicted first. Blocks start in id order; freed blocks are
+    appended at the tail, and a request frees its blocks tail-first, so among blocks
+    freed together the end of a prompt is evicted before its start.
+    """
+
+    __slots__ = ("_head", "_tail", "num_free_blocks")
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def popleft(self) -> KVCacheBlock:
+        """Take the head (next eviction victim)."""
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks available")
+        self.remove(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Take the first n blocks, in order; the caller has checked n <= num_free_blocks."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} free")
+        taken: list[KVCacheBlock] = []
+        block = self._head.next_free
+        for _ in range(n):
+            assert block is not None
+            taken.append(block)
+            following = block.next_free
+            block.prev_free = block.next_free = None
+            block = following
+        assert block is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free_blocks -= n
+        return taken
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink a block from anywhere in the queue in O(1)."""
+        prev_block, next_block = block.prev_free, block.next_free
+        if prev_block is None or next_block is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev_block.next_free = next_block
+        next_block.prev_free = prev_block
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put a block at the tail (evicted last)."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Append blocks at the tail in the given order (the first is evicted first)."""
+        last = self._tail.prev_free
+        assert last is not None
+        count = 0
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+            count += 1
+        last.next_free = self._tail
+        self._tail.prev_free = last
+        self.num_free_blocks += count
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put a block at the head (reused first): for blocks holding nothing cacheable."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """Head to tail (for tests and inspection; O(n))."""
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
