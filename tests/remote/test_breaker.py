@@ -106,6 +106,16 @@ class BreakerMachine(RuleBasedStateMachine):
         # the breaker moves OPEN -> HALF_OPEN lazily, on the next allow()
         assert self.breaker.state.value == self.state
 
+    @invariant()
+    def rejecting_predicts_allow(self) -> None:
+        elapsed = self.clock.now - self.opened_at >= self.period
+        would_allow = (
+            self.state == "closed"
+            or (self.state == "open" and elapsed)
+            or (self.state == "half_open" and not self.probing)
+        )
+        assert self.breaker.rejecting() == (not would_allow)
+
 
 TestBreakerMachine = BreakerMachine.TestCase
 TestBreakerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -79,6 +79,13 @@ class CircuitBreaker:
             self.num_rejected += 1
             return False
 
+    def rejecting(self) -> bool:
+        """Would `allow()` refuse now? Read-only: does not take the half-open probe."""
+        with self._lock:
+            if self._state is BreakerState.OPEN:
+                return self._clock() - self._opened_at < self.config.reset_timeout_s
+            return self._state is BreakerState.HALF_OPEN and self._probe_in_flight
+
     def record_success(self) -> None:
         with self._lock:
             self._state = BreakerState.CLOSED

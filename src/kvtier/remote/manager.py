@@ -1,0 +1,135 @@
+"""The offloading-manager bookkeeping of the remote tier.
+
+Unlike the CPU and disk tiers, the truth about what is stored lives in Redis,
+shared with other engines and evicted by Redis itself. So this manager keeps no
+block table: `lookup` asks the server (one round trip, stopping at the first
+hole), `prepare_store` offers every hash not already in flight from this
+engine, and no "removed" events are ever emitted (Redis evicts silently; a block
+that vanished between lookup and load fails that load, which the engine answers
+by recomputing). The only local state is what is in flight, so caller mistakes
+(completing a load never prepared, duplicate hashes) are still refused.
+
+`touch` is a no-op on purpose: a load's GET already refreshes Redis's LRU/LFU
+clock, and a synchronous round trip just to age blocks served by an upper tier
+is not worth scheduler time.
+
+`synthetic_payload_bytes` is for replays that drive the bookkeeping without a
+data plane: the manager then writes placeholder blocks of that size at
+`complete_store` and reads them back at `prepare_load`, so the server's
+contents (and the byte counters) behave as they would with real KV bytes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+from kvtier.offload.abstract import (
+    LoadStoreSpec,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+)
+from kvtier.remote.redis_store import RedisBlockStore
+from kvtier.types import BlockHash
+
+MEDIUM = "REMOTE"
+
+
+class RemoteLoadStoreSpec(LoadStoreSpec):
+    """Blocks in the remote store are addressed by their hashes (and the tenant's salt)."""
+
+    def __init__(self, block_hashes: list[BlockHash], salt: str | None = None) -> None:
+        self.block_hashes = block_hashes
+        self.salt = salt
+
+    @staticmethod
+    def medium() -> str:
+        return MEDIUM
+
+    def __repr__(self) -> str:
+        return f"RemoteLoadStoreSpec({len(self.block_hashes)} blocks, salt={self.salt!r})"
+
+
+def _distinct(call: str, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
+    hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+    if len(set(hashes)) != len(hashes):
+        dups = [h for h, n in Counter(hashes).items() if n > 1]
+        raise ValueError(f"{call}: duplicate block hashes in one call: {dups!r}")
+    return hashes
+
+
+class RemoteOffloadingManager(OffloadingManager):
+    def __init__(
+        self,
+        store: RedisBlockStore,
+        block_size: int,
+        *,
+        salt: str | None = None,
+        enable_events: bool = False,
+        synthetic_payload_bytes: int | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if synthetic_payload_bytes is not None and synthetic_payload_bytes < 1:
+            raise ValueError(f"synthetic_payload_bytes must be >= 1, got {synthetic_payload_bytes}")
+        self.store = store
+        self.block_size = block_size
+        self.salt = salt
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._loading: Counter[BlockHash] = Counter()
+        self._storing: set[BlockHash] = set()
+        self._synthetic = bytes(synthetic_payload_bytes) if synthetic_payload_bytes else None
+
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        return self.store.count_prefix(hashes, self.salt)
+
+    def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
+        hashes = _distinct("prepare_load", block_hashes)
+        self._loading.update(hashes)
+        if self._synthetic is not None:
+            self.store.load(hashes, self.salt)
+        return RemoteLoadStoreSpec(hashes, self.salt)
+
+    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
+        hashes = _distinct("complete_load", block_hashes)
+        absent = [h for h in hashes if self._loading[h] <= 0]
+        if absent:  # (reading a Counter's absent key does not insert it)
+            raise KeyError(f"complete_load: blocks not being loaded: {absent!r}")
+        self._loading.subtract(hashes)
+        for h in hashes:
+            if self._loading[h] == 0:
+                del self._loading[h]
+
+    def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
+        """Offer every hash not already in flight; nothing while the breaker refuses.
+
+        Skipping the store while the server is known down saves the engine the
+        device-to-host copies of a job that could only fail.
+        """
+        hashes = _distinct("prepare_store", block_hashes)
+        if self.store.breaker.rejecting():
+            hashes = []
+        to_store = [h for h in hashes if h not in self._storing]
+        self._storing.update(to_store)
+        return PrepareStoreOutput(to_store, RemoteLoadStoreSpec(to_store, self.salt), [])
+
+    def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        hashes = [h for h in block_hashes if h in self._storing]
+        self._storing.difference_update(hashes)
+        if success and self._synthetic is not None and hashes:
+            success = self.store.store(hashes, [self._synthetic] * len(hashes), self.salt)
+        if success and hashes and self._events is not None:
+            self._events.append(OffloadingEvent(hashes, self.block_size, MEDIUM, removed=False))
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        if self._events is None:
+            return
+        events, self._events = self._events, []
+        yield from events
+
+    @property
+    def num_in_flight(self) -> tuple[int, int]:
+        """(loads, stores) this engine has prepared and not completed."""
+        return sum(self._loading.values()), len(self._storing)

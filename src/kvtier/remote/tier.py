@@ -1,0 +1,94 @@
+"""One object to build the remote tier from a URL: what the replay and engines call.
+
+```python
+tier = RemoteTier.from_url("redis://:pw@10.0.0.5:6379/0", layout, block_size=16)
+manager = tier.manager()                  # an OffloadingManager, medium "REMOTE"
+kv_store = tier.kv_store(layout)          # a BlockStore for TransferWorker.for_store
+print(tier.stats)                         # hits, bytes per direction, faults
+```
+
+`layout` is a `KVLayout` (its fingerprint namespaces the keys and is checked in
+every value) or, for tools without one, the fingerprint itself as str/bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kvtier.remote.config import RemoteConfig
+from kvtier.remote.manager import RemoteOffloadingManager
+from kvtier.remote.redis_store import RedisBlockStore, RemoteStats
+
+
+class HasFingerprint(Protocol):
+    @property
+    def fingerprint(self) -> str: ...
+
+
+def fingerprint_of(layout: str | bytes | HasFingerprint) -> str | bytes:
+    if isinstance(layout, str | bytes):
+        return layout
+    return layout.fingerprint
+
+
+class RemoteTier:
+    def __init__(self, store: RedisBlockStore, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.store = store
+        self.block_size = block_size
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        layout_fingerprint: str | bytes | HasFingerprint,
+        *,
+        block_size: int,
+        clock: Callable[[], float] = time.monotonic,
+        **options: Any,
+    ) -> RemoteTier:
+        """Connect (a wrong password raises `RemoteStartupError` here; a down server does not).
+
+        `options` are `RemoteConfig` fields (password, socket_timeout_s, ttl_s,
+        cluster_nodes, breaker, ...); an unknown one is a ValueError naming the known.
+        """
+        known = {f.name for f in dataclasses.fields(RemoteConfig)} - {"url"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown remote tier options {unknown}; known: {sorted(known)}")
+        config = RemoteConfig(url=url, **options)
+        store = RedisBlockStore.connect(config, fingerprint_of(layout_fingerprint), clock)
+        return cls(store, block_size)
+
+    def manager(
+        self,
+        salt: str | None = None,
+        *,
+        enable_events: bool = False,
+        synthetic_payload_bytes: int | None = None,
+    ) -> RemoteOffloadingManager:
+        """An offloading manager over this tier's store (one per cache salt / tenant)."""
+        return RemoteOffloadingManager(
+            self.store,
+            self.block_size,
+            salt=salt,
+            enable_events=enable_events,
+            synthetic_payload_bytes=synthetic_payload_bytes,
+        )
+
+    @property
+    def stats(self) -> RemoteStats:
+        return self.store.stats
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> RemoteTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

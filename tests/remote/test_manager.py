@@ -1,0 +1,188 @@
+"""The remote offloading manager on a real server: scenarios and a model-based test."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvtier.offload.abstract import OffloadingEvent
+from kvtier.remote.breaker import BreakerConfig
+from kvtier.remote.manager import RemoteLoadStoreSpec, RemoteOffloadingManager
+from kvtier.remote.tier import RemoteTier
+from kvtier.types import BlockHash, int_block_hash
+from tests.remote.conftest import FakeClock, RedisServer
+
+FP = "model=tiny|dtype=fp16|block=16|format=1"
+H = [int_block_hash(i) for i in range(10)]
+
+
+def tier_for(server: RedisServer, clock: FakeClock | None = None) -> RemoteTier:
+    return RemoteTier.from_url(
+        server.url,
+        FP,
+        block_size=16,
+        clock=clock or FakeClock(),
+        breaker=BreakerConfig(failure_threshold=1, reset_timeout_s=5.0),
+    )
+
+
+def store_all(manager: RemoteOffloadingManager, hashes: list[BlockHash]) -> None:
+    out = manager.prepare_store(hashes)
+    assert out is not None
+    manager.complete_store(out.block_hashes_to_store)
+
+
+def test_store_lookup_load_cycle_with_events(redis_server: RedisServer) -> None:
+    tier = tier_for(redis_server)
+    manager = tier.manager(enable_events=True, synthetic_payload_bytes=256)
+    assert manager.lookup(H) == 0
+    out = manager.prepare_store(H[:4])
+    assert out is not None and out.block_hashes_to_store == H[:4] and out.block_hashes_evicted == []
+    assert isinstance(out.store_spec, RemoteLoadStoreSpec) and out.store_spec.medium() == "REMOTE"
+    assert manager.lookup(H) == 0  # not readable before complete_store
+    manager.complete_store(H[:4])
+    assert manager.lookup(H) == 4
+    spec = manager.prepare_load(H[:4])
+    assert isinstance(spec, RemoteLoadStoreSpec) and spec.block_hashes == H[:4]
+    manager.complete_load(H[:4])
+    assert list(manager.take_events()) == [OffloadingEvent(H[:4], 16, "REMOTE", removed=False)]
+    assert list(manager.take_events()) == []
+    stats = tier.stats
+    assert (stats.stored_bytes, stats.loaded_bytes) == (4 * 256, 4 * 256)
+    tier.close()
+
+
+def test_in_flight_stores_are_offered_once_and_failures_leave_nothing(
+    redis_server: RedisServer,
+) -> None:
+    manager = tier_for(redis_server).manager(enable_events=True, synthetic_payload_bytes=64)
+    first = manager.prepare_store(H[:3])
+    second = manager.prepare_store(H[:5])
+    assert first is not None and second is not None
+    assert second.block_hashes_to_store == H[3:5]  # H[:3] already in flight here
+    manager.complete_store(H[:3], success=False)
+    manager.complete_store(H[3:5])
+    assert manager.lookup(H[3:]) == 2 and manager.lookup(H) == 0
+    assert [e.block_hashes for e in manager.take_events()] == [H[3:5]]
+    assert manager.num_in_flight == (0, 0)
+
+
+def test_caller_mistakes_are_refused_with_state_unchanged(redis_server: RedisServer) -> None:
+    manager = tier_for(redis_server).manager()
+    with pytest.raises(ValueError, match="duplicate block hashes"):
+        manager.prepare_store([H[0], H[0]])
+    with pytest.raises(ValueError, match="duplicate block hashes"):
+        manager.prepare_load([H[1], H[1]])
+    manager.prepare_load(H[:2])
+    with pytest.raises(KeyError, match="not being loaded"):
+        manager.complete_load(H[1:3])
+    assert manager.num_in_flight == (2, 0)
+    manager.complete_load(H[:2])
+    with pytest.raises(KeyError, match="not being loaded"):
+        manager.complete_load(H[:1])
+    assert manager.num_in_flight == (0, 0)
+
+
+def test_two_engines_share_and_tenants_do_not(redis_server: RedisServer) -> None:
+    engine_a, engine_b = tier_for(redis_server), tier_for(redis_server)
+    store_all(engine_a.manager(synthetic_payload_bytes=32), H[:6])
+    assert engine_b.manager().lookup(H) == 6
+    store_all(engine_a.manager("tenant-1", synthetic_payload_bytes=32), H[:3])
+    assert engine_b.manager("tenant-1").lookup(H) == 3
+    assert engine_b.manager("tenant-2").lookup(H) == 0
+
+
+def test_open_breaker_offers_nothing_to_store(redis_server: RedisServer) -> None:
+    clock = FakeClock()
+    tier = tier_for(redis_server, clock)
+    manager = tier.manager(synthetic_payload_bytes=32)
+    redis_server.kill()
+    assert manager.lookup(H) == 0  # fails, opens the breaker (threshold 1)
+    out = manager.prepare_store(H[:4])
+    assert out is not None and out.block_hashes_to_store == []  # no device copies wasted
+    redis_server.start()
+    clock.advance(5.0)
+    store_all(manager, H[:4])  # the probe is the store itself
+    assert manager.lookup(H) == 4
+
+
+def test_unknown_option_lists_the_known_ones(redis_server: RedisServer) -> None:
+    with pytest.raises(ValueError, match=r"unknown remote tier options \['pasword'\].*password"):
+        RemoteTier.from_url(redis_server.url, FP, block_size=16, pasword="x")
+
+
+class RemoteManagerMachine(RuleBasedStateMachine):
+    """Any interleaving of the calls, plus Redis evicting blocks, against a set model."""
+
+    hashes = st.lists(st.sampled_from(H), min_size=1, max_size=5, unique=True)
+    loads = Bundle("loads")
+
+    def __init__(self, server: RedisServer) -> None:
+        super().__init__()
+        self.server = server
+        self.client = server.client()
+        self.client.flushall()
+        self.tier = tier_for(server)
+        self.manager = self.tier.manager(synthetic_payload_bytes=16)
+        self.stored: set[BlockHash] = set()
+        self.storing: set[BlockHash] = set()
+
+    def teardown(self) -> None:
+        self.tier.close()
+        self.client.close()
+
+    @rule(hashes=hashes)
+    def lookup(self, hashes: list[BlockHash]) -> None:
+        expected = next((i for i, h in enumerate(hashes) if h not in self.stored), len(hashes))
+        assert self.manager.lookup(hashes) == expected
+
+    @rule(target=loads, hashes=hashes)
+    def prepare_load(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        spec = self.manager.prepare_load(hashes)
+        assert isinstance(spec, RemoteLoadStoreSpec) and spec.block_hashes == hashes
+        return hashes
+
+    @rule(hashes=consumes(loads))
+    def complete_load(self, hashes: list[BlockHash]) -> None:
+        self.manager.complete_load(hashes)
+
+    @rule(hashes=hashes)
+    def prepare_store(self, hashes: list[BlockHash]) -> None:
+        out = self.manager.prepare_store(hashes)
+        assert out is not None
+        assert out.block_hashes_to_store == [h for h in hashes if h not in self.storing]
+        self.storing.update(hashes)
+
+    @rule(hashes=hashes, success=st.booleans())
+    def complete_store(self, hashes: list[BlockHash], success: bool) -> None:
+        self.manager.complete_store(hashes, success)
+        done = self.storing.intersection(hashes)
+        self.storing -= done
+        if success:
+            self.stored |= done
+
+    @rule(block=st.sampled_from(H))
+    def redis_evicts(self, block: BlockHash) -> None:
+        self.client.delete(self.tier.store.key(block))
+        self.stored.discard(block)
+
+    @invariant()
+    def nothing_unexpected_on_the_server(self) -> None:
+        assert self.manager.num_in_flight[1] == len(self.storing)
+        assert self.tier.stats.errors == 0
+
+
+def test_manager_against_model(redis_server: RedisServer) -> None:
+    run_state_machine_as_test(
+        lambda: RemoteManagerMachine(redis_server),
+        settings=settings(max_examples=25, stateful_step_count=30, deadline=None),
+    )
