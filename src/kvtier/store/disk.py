@@ -1,0 +1,367 @@
+"""The local disk tier: one file per block, crash-safe, bounded in bytes.
+
+Why one file per block with temp-file + fsync + rename + directory fsync: it makes
+"readable only once durable" structural. A block's final name appears only after
+its bytes and header are on disk, and a store job reports success only after the
+directory entry is too; a crash at any moment leaves either the complete old state
+or a `.tmp` file that recovery deletes. No log to replay, no torn record to detect:
+recovery lists the directory, validates each header (fingerprint, hash = file name,
+length) and keeps every complete block. Payload checksums are verified at load,
+where the bytes are read anyway; a mismatch drops the file, is counted, and fails
+the load (the engine recomputes).
+
+The directory is `<root>/kvtier-<fingerprint>/`. Opening a root that holds blocks of
+another layout raises `LayoutMismatchError` (naming both layouts), unless
+`on_mismatch="ignore"`, which leaves the foreign directory untouched and unread.
+
+Threads: one writer and one reader (a transfer worker's two threads) and the
+scheduler's `discard` may run concurrently; the index is guarded by a lock and a file
+is only ever replaced atomically, so a reader sees an old or a new block, never half.
+This module does not import torch (crash-recovery tools and tests stay light).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from kvtier.offload.abstract import LoadStoreSpec
+from kvtier.store.checksum import block_checksum, verify_checksum
+from kvtier.store.diskformat import (
+    DIR_PREFIX,
+    LAYOUT_FILE,
+    TMP_SUFFIX,
+    BlockHeader,
+    FormatError,
+    file_name,
+    hash_of,
+)
+from kvtier.store.layout import KVLayout, LayoutMismatchError
+from kvtier.store.protocol import BlockLoadError
+from kvtier.types import BlockHash
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class DiskStats:
+    """What the store has seen since it was opened."""
+
+    num_blocks: int
+    used_bytes: int
+    recovered: int  # complete blocks found at open
+    dropped_at_recovery: int  # torn, foreign or over-capacity files deleted at open
+    checksum_failures: int  # loads failed on a payload checksum (block dropped)
+    missing: int  # loads of a block with no file
+
+
+class DiskStore:
+    """Blocks as files under `root`; a `BlockStore` over specs with `block_hashes`."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        layout: KVLayout,
+        capacity_bytes: int,
+        *,
+        on_mismatch: Literal["error", "ignore"] = "error",
+        fsync: bool = True,
+    ) -> None:
+        if on_mismatch not in ("error", "ignore"):
+            raise ValueError(f"on_mismatch must be 'error' or 'ignore', got {on_mismatch!r}")
+        self._layout = layout
+        # Capacity is counted with 32-byte hashes (sha256), the longest in use.
+        self.block_file_bytes = self.file_bytes(BlockHash(bytes(32)))
+        if capacity_bytes < self.block_file_bytes:
+            raise ValueError(
+                f"capacity_bytes {capacity_bytes} is below one block file "
+                f"({self.block_file_bytes} bytes)"
+            )
+        self.capacity_bytes = capacity_bytes
+        self.capacity_blocks = capacity_bytes // self.block_file_bytes
+        self.fsync = fsync
+        self.root = Path(root)
+        self.directory = self.root / f"{DIR_PREFIX}{layout.fingerprint}"
+        self._lock = threading.Lock()
+        self._sizes: dict[BlockHash, int] = {}
+        self._used = 0
+        self._tmp_ids = itertools.count()
+        self._dropped: list[BlockHash] = []
+        self._checksum_failures = self._missing = self._dropped_at_recovery = 0
+        self._check_foreign(on_mismatch)
+        self._open_directory()
+        self.recovered: list[BlockHash] = self._recover()
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._layout
+
+    def file_bytes(self, block_hash: BlockHash) -> int:
+        """Size of the file holding one block (header + payload)."""
+        return BlockHeader.size_for(len(block_hash)) + self._layout.bytes_per_block
+
+    @staticmethod
+    def capacity_for(layout: KVLayout, num_blocks: int) -> int:
+        """The `capacity_bytes` that holds exactly `num_blocks` blocks of `layout`."""
+        return num_blocks * (BlockHeader.size_for(32) + layout.bytes_per_block)
+
+    # --- opening and recovery ---------------------------------------------
+
+    def _check_foreign(self, on_mismatch: str) -> None:
+        if on_mismatch == "ignore" or not self.root.is_dir():
+            return
+        ours = self.directory.name
+        for entry in sorted(self.root.iterdir()):
+            if entry.name.startswith(DIR_PREFIX) and entry.name != ours and entry.is_dir():
+                try:
+                    theirs = json.loads((entry / LAYOUT_FILE).read_text())
+                except (OSError, ValueError):
+                    theirs = {"fingerprint": entry.name[len(DIR_PREFIX) :]}
+                raise LayoutMismatchError(
+                    f"{self.root} holds KV blocks of another layout ({theirs}) in {entry}; "
+                    f"this cache's layout is {self._layout.fingerprint} "
+                    f"({self._layout.describe()}). Use another directory, delete it, or "
+                    "open with on_mismatch='ignore' to leave it untouched"
+                )
+
+    def _open_directory(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        marker = self.directory / LAYOUT_FILE
+        description = {"fingerprint": self._layout.fingerprint, **self._layout.describe()}
+        if marker.exists():
+            found = json.loads(marker.read_text()).get("fingerprint", "")
+            self._layout.check_compatible(found, str(self.directory))
+            return
+        self._durable_write(marker, [json.dumps(description, sort_keys=True).encode()])
+        self._sync_directory(self.root)
+
+    def _recover(self) -> list[BlockHash]:
+        """Index every complete block (oldest first); delete temp and invalid files."""
+        found: list[tuple[int, BlockHash, int]] = []
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if entry.name.endswith(TMP_SUFFIX):
+                    self._drop_file(entry.path)
+                    continue
+                block_hash = hash_of(entry.name)
+                if block_hash is None:
+                    continue
+                size = self._valid_size(entry.path, block_hash)
+                if size is None:
+                    self._drop_file(entry.path)
+                else:
+                    found.append((entry.stat().st_mtime_ns, block_hash, size))
+        found.sort()
+        for _, block_hash, size in found:
+            if self._used + size > self.capacity_bytes:
+                self._drop_file(str(self.directory / file_name(block_hash)))
+                continue
+            self._sizes[block_hash] = size
+            self._used += size
+        self._sync_directory(self.directory)
+        return list(self._sizes)
+
+    def _drop_file(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self._dropped_at_recovery += 1
+
+    def _valid_size(self, path: str, block_hash: BlockHash) -> int | None:
+        """The file's size if its header is intact and ours, else None."""
+        try:
+            with open(path, "rb") as file:
+                header = BlockHeader.unpack(file.read(BlockHeader.size_for(len(block_hash))))
+                size = os.fstat(file.fileno()).st_size
+        except (OSError, FormatError):
+            return None
+        expected = BlockHeader.size_for(len(block_hash)) + self._layout.bytes_per_block
+        if (
+            header.block_hash != block_hash
+            or header.fingerprint != self._layout.fingerprint_bytes
+            or header.payload_len != self._layout.bytes_per_block
+            or size != expected
+        ):
+            return None
+        return size
+
+    # --- writing ------------------------------------------------------------
+
+    def write(self, block_hashes: Sequence[BlockHash], blocks: Sequence[Buffer]) -> None:
+        """Store blocks durably; they are indexed (readable) only when all are on disk."""
+        if len(block_hashes) != len(blocks):
+            raise ValueError(f"{len(blocks)} buffers for {len(block_hashes)} hashes")
+        size = self._layout.bytes_per_block
+        for block in blocks:
+            if memoryview(block).nbytes != size:
+                raise ValueError(f"block of {memoryview(block).nbytes} bytes, layout needs {size}")
+        self._reserve(block_hashes)
+        written: list[tuple[BlockHash, int]] = []
+        try:
+            for block_hash, block in zip(block_hashes, blocks, strict=True):
+                header = BlockHeader(
+                    block_hash, self._layout.fingerprint_bytes, size, block_checksum(block)
+                ).pack()
+                final = self.directory / file_name(block_hash)
+                self._durable_write(final, [header, block])
+                written.append((block_hash, len(header) + size))
+            self._sync_directory(self.directory)
+        finally:
+            self._settle(block_hashes, written)
+
+    def _reserve(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Refuse a write that could take the directory over its byte capacity."""
+        with self._lock:
+            new = [h for h in dict.fromkeys(block_hashes) if h not in self._sizes]
+            need = sum(self.file_bytes(h) for h in new)
+            if self._used + need > self.capacity_bytes:
+                raise OSError(
+                    f"disk tier full: {self._used} of {self.capacity_bytes} bytes used, "
+                    f"{need} more requested"
+                )
+            for block_hash in new:
+                self._sizes[block_hash] = 0  # reserved, not yet readable
+            self._used += need
+
+    def _settle(
+        self, block_hashes: Sequence[BlockHash], written: list[tuple[BlockHash, int]]
+    ) -> None:
+        """Index the written blocks (after the directory sync), release the rest."""
+        done = dict(written)
+        with self._lock:
+            for block_hash in dict.fromkeys(block_hashes):
+                if self._sizes.get(block_hash) != 0:
+                    continue  # was already readable: replaced in place
+                if block_hash in done:
+                    self._sizes[block_hash] = done[block_hash]
+                else:
+                    del self._sizes[block_hash]
+                    self._used -= self.file_bytes(block_hash)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.directory / file_name(block_hash))
+
+    def _durable_write(self, final: Path, parts: Sequence[Buffer]) -> None:
+        tmp = final.with_name(f"{final.name}.{os.getpid()}-{next(self._tmp_ids)}{TMP_SUFFIX}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
+            if self.fsync:
+                os.fdatasync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, final)
+
+    def _sync_directory(self, directory: Path) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # --- reading and dropping ----------------------------------------------
+
+    def read(self, block_hashes: Sequence[BlockHash], blocks: Sequence[memoryview]) -> None:
+        """Fill `blocks`; `BlockLoadError` on a missing or corrupt block (which is dropped)."""
+        if len(block_hashes) != len(blocks):
+            raise ValueError(f"{len(blocks)} buffers for {len(block_hashes)} hashes")
+        for block_hash, block in zip(block_hashes, blocks, strict=True):
+            self._read_one(block_hash, block)
+
+    def _read_one(self, block_hash: BlockHash, block: memoryview) -> None:
+        size = self._layout.bytes_per_block
+        if block.nbytes != size:
+            raise ValueError(f"buffer of {block.nbytes} bytes, layout needs {size}")
+        with self._lock:
+            readable = self._sizes.get(block_hash, 0) > 0
+        try:
+            if not readable:
+                raise FileNotFoundError(block_hash.hex())
+            fd = os.open(self.directory / file_name(block_hash), os.O_RDONLY)
+        except FileNotFoundError:
+            raise self._missing_error(block_hash) from None
+        try:
+            header_len = BlockHeader.size_for(len(block_hash))
+            header = BlockHeader.unpack(os.pread(fd, header_len, 0))
+            got = os.preadv(fd, [block.cast("B")], header_len)
+            if got != size or header.block_hash != block_hash or header.payload_len != size:
+                raise FormatError(f"torn block file ({got} of {size} payload bytes)")
+            verify_checksum(block, header.checksum, block_hash)
+        except ValueError as exc:  # FormatError, ChecksumError
+            raise self._drop_corrupt(block_hash, str(exc)) from exc
+        finally:
+            os.close(fd)
+
+    def _missing_error(self, block_hash: BlockHash) -> BlockLoadError:
+        with self._lock:
+            self._missing += 1
+        return BlockLoadError(f"disk block {block_hash.hex()} is not stored")
+
+    def _drop_corrupt(self, block_hash: BlockHash, why: str) -> BlockLoadError:
+        with self._lock:
+            self._checksum_failures += 1
+            self._dropped.append(block_hash)
+        self.discard([block_hash])
+        return BlockLoadError(f"disk block {block_hash.hex()} dropped: {why}")
+
+    def discard(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Delete blocks (evicted or failed); absent ones are ignored."""
+        for block_hash in block_hashes:
+            with self._lock:
+                size = self._sizes.get(block_hash)
+                if not size:
+                    continue  # absent, or a write in flight owns it
+                del self._sizes[block_hash]
+                self._used -= size
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.directory / file_name(block_hash))
+
+    def take_dropped(self) -> list[BlockHash]:
+        """Hashes dropped as corrupt since the last call (for the scheduler to forget)."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        return dropped
+
+    # --- BlockStore protocol and inspection --------------------------------
+
+    def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
+        self.write(_hashes_of(spec), blocks)
+
+    def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
+        self.read(_hashes_of(spec), blocks)
+
+    def __contains__(self, block_hash: object) -> bool:
+        with self._lock:
+            return bool(self._sizes.get(block_hash, 0))  # type: ignore[call-overload]
+
+    def stats(self) -> DiskStats:
+        with self._lock:
+            return DiskStats(
+                num_blocks=sum(1 for size in self._sizes.values() if size),
+                used_bytes=self._used,
+                recovered=len(self.recovered),
+                dropped_at_recovery=self._dropped_at_recovery,
+                checksum_failures=self._checksum_failures,
+                missing=self._missing,
+            )
+
+
+def _hashes_of(spec: LoadStoreSpec) -> Sequence[BlockHash]:
+    hashes: Sequence[BlockHash] | None = getattr(spec, "block_hashes", None)
+    if hashes is None:
+        raise TypeError(f"DiskStore needs a spec with block_hashes, got {type(spec).__name__}")
+    return hashes
