@@ -1,0 +1,106 @@
+"""What a replay measured, per tier and in total.
+
+Two hit notions, because they differ when ids are not chained (Bailian) or when a
+policy leaves holes in a prefix:
+- block hit rate (`hit_rate`): blocks present in some tier when their request
+  arrives, at any position — comparable with the infinite and Belady bounds;
+- prefix hit rate (`prefix_hit_rate`): blocks a prefix cache can actually use,
+  the consecutive run from the first block that the tiers served (what the
+  lookups returned and what was loaded).
+Token-weighted figures and prefill tokens saved count served (prefix) blocks only,
+by their real token counts (a request's last block is usually partial).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class TierCounters:
+    """Mutable tallies the replay loop bumps; frozen into `TierStats` at the end."""
+
+    name: str
+    capacity: int
+    policy: str
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+    stores: int = 0
+    evictions: int = 0
+    filtered_stores: int = 0
+    store_rejections: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    checksum_failures: int = 0
+
+    def freeze(self, block_refs: int) -> TierStats:
+        return TierStats(
+            **asdict(self),
+            hit_rate=self.hit_blocks / block_refs if block_refs else 0.0,
+        )
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str
+    capacity: int
+    policy: str
+    hit_blocks: int
+    hit_tokens: int
+    stores: int
+    evictions: int
+    filtered_stores: int
+    store_rejections: int
+    bytes_loaded: int
+    bytes_stored: int
+    checksum_failures: int
+    # Blocks this tier served, over all block references of the trace.
+    hit_rate: float
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    policy: str
+    block_refs: int
+    input_tokens: int
+    any_hit_blocks: int
+    prefix_hit_blocks: int
+    hit_tokens: int
+    prefill_tokens_saved: int
+    tiers: tuple[TierStats, ...]
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.any_hit_blocks / self.block_refs if self.block_refs else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_blocks / self.block_refs if self.block_refs else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def refs_per_s(self) -> float:
+        return self.block_refs / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The per-policy entry of `kvtier replay --json` (schema fixed by issue 5)."""
+        return {
+            "policy": self.policy,
+            "hit_rate": self.hit_rate,
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "token_hit_rate": self.token_hit_rate,
+            "hit_blocks": self.any_hit_blocks,
+            "prefix_hit_blocks": self.prefix_hit_blocks,
+            "prefill_tokens_saved": self.prefill_tokens_saved,
+            "seconds": self.seconds,
+            "tiers": {
+                t.name: {k: v for k, v in asdict(t).items() if k != "name"} for t in self.tiers
+            },
+            **self.extra,
+        }
