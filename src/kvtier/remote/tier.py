@@ -19,8 +19,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvtier.remote.config import RemoteConfig
+from kvtier.remote.kv_store import RedisKVStore
 from kvtier.remote.manager import RemoteOffloadingManager
 from kvtier.remote.redis_store import RedisBlockStore, RemoteStats
+from kvtier.store.layout import KVLayout
 
 
 class HasFingerprint(Protocol):
@@ -79,6 +81,10 @@ class RemoteTier:
             enable_events=enable_events,
             synthetic_payload_bytes=synthetic_payload_bytes,
         )
+
+    def kv_store(self, layout: KVLayout) -> RedisKVStore:
+        """This tier as a `BlockStore` for `TransferWorker.for_store(kv, ...)`."""
+        return RedisKVStore(self.store, layout)
 
     @property
     def stats(self) -> RemoteStats:
