@@ -214,7 +214,11 @@ def _hash_blocks_cbor2(
     size = spec.block_size
     hashes: list[BlockHash] = []
     for k in range(len(tokens) // size):
-        block = tuple(int(t) for t in tokens[k * size : (k + 1) * size])
+        block = tuple(tokens[k * size : (k + 1) * size])
+        for t in block:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer):
+                raise ValueError(f"token ids must be ints, got {t!r}")
+        block = tuple(int(t) for t in block)
         key = (parent, block, spec.extra_keys(first_block + k))
         parent = BlockHash(digest(cbor2.dumps(key, canonical=True)))
         hashes.append(parent)
@@ -238,17 +242,18 @@ _UINT_SIZES = np.array([1, 2, 3, 5], dtype=np.int64)
 
 
 def _as_int_array(tokens: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]] | None:
+    """Tokens as int64, or None when only cbor2 can encode them (beyond int64)."""
     if isinstance(tokens, np.ndarray):
-        if tokens.dtype.kind not in "iu":
-            raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
-        if tokens.dtype.kind == "u" and tokens.size and int(tokens.max()) >= 1 << 32:
+        values = tokens
+    else:
+        values = np.asarray(tokens)
+        if values.dtype.kind in "Of":  # huge ints (or floats): cbor2's path checks each
             return None
-        return tokens.astype(np.int64, copy=False)
-    try:
-        values = np.array(tokens, dtype=np.int64)
-    except (OverflowError, TypeError, ValueError):
-        return None  # huge or non-int tokens: cbor2 decides (and raises if unencodable)
-    return values if values.ndim == 1 else None
+    if values.dtype.kind not in "iu" or values.ndim != 1:
+        raise ValueError(f"token ids must be a flat sequence of ints, got dtype {values.dtype}")
+    if values.dtype.kind == "u" and values.size and int(values.max()) >= 1 << 32:
+        return None
+    return values.astype(np.int64, copy=False)
 
 
 def _encode_uints(tokens: Sequence[int], block_size: int) -> tuple[bytes, list[int]] | None:

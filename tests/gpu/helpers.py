@@ -1,0 +1,32 @@
+"""Shared helpers for the GPU manager tests: construction and full-state snapshots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier import KVCacheManager
+
+
+def make(num_blocks: int = 10, block_size: int = 4, **kwargs: Any) -> KVCacheManager:
+    options: dict[str, Any] = {
+        "max_model_len": 256,
+        "num_preallocate_tokens": 0,
+        "enable_kv_cache_events": True,
+        **kwargs,
+    }
+    return KVCacheManager(block_size, num_blocks, **options)
+
+
+def snapshot(manager: KVCacheManager, request_ids: list[str]) -> dict[str, Any]:
+    """Everything a rejected call must leave untouched."""
+    pool = manager.block_pool
+    return {
+        "free": [b.block_id for b in pool.free_block_queue],
+        "ref": [b.ref_cnt for b in pool.blocks],
+        "hash": [b.block_hash for b in pool.blocks],
+        "index": sorted((h, [b.block_id for b in bs]) for h, bs in pool.cached_items()),
+        "tables": {r: manager.get_block_ids(r) for r in request_ids if manager.has_request(r)},
+        "cached": {
+            r: manager.get_num_cached_blocks(r) for r in request_ids if manager.has_request(r)
+        },
+    }
