@@ -181,7 +181,7 @@ def test_hash_built_requests_behave_like_token_requests() -> None:
                 r = Request.from_block_hashes(f"r{i}", hashes, len(prompt), block_size=4)
             else:
                 r = Request(f"r{i}", prompt)
-            blocks, hit, new = run_prefill(m, r)
+            _, hit, _ = run_prefill(m, r)
             trace.append((hit, m.get_block_ids(r.request_id), m.get_num_cached_blocks(f"r{i}")))
             if i % 2:
                 m.free(r)

@@ -20,8 +20,8 @@ from kvtier.hashing import (
     NONE_HASH,
     BlockHashSpec,
     MultiModalInput,
-    hash_blocks,
     hash_block_tokens,
+    hash_blocks,
     hash_request_blocks,
     none_hash,
 )
