@@ -1,0 +1,88 @@
+"""`kvtier` command line: thin flag parsing over `kvtier.sim`.
+
+`kvtier replay` with no arguments replays the built-in generated workload; this is
+the README's first command, so its defaults must run in seconds and say something.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from kvtier.sim.traces import TraceFormatError
+from kvtier.sim.workload import FORMATS
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", help="trace file (default: the built-in generated workload)")
+    p.add_argument("--format", choices=FORMATS, default="mooncake", help="trace format")
+    p.add_argument("--policy", default="lru,arc", help="policy or comma list (default lru,arc)")
+    p.add_argument(
+        "--store-threshold",
+        type=_int_at_least(0),
+        default=0,
+        help="reuse filter: store a block once seen K>=2 times (0: off)",
+    )
+    p.add_argument("--limit", type=_int_at_least(1), help="replay the first N requests only")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--report", metavar="FILE.html", help="write an HTML report")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier", description="Replay KV-cache workloads through kvtier's tiers."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    rp = sub.add_parser("replay", help="replay one trace under one or more policies")
+    _common(rp)
+    rp.add_argument("--gpu-blocks", type=_int_at_least(0), default=0, help="0: no GPU tier")
+    size = rp.add_mutually_exclusive_group()
+    size.add_argument("--cpu-blocks", type=_int_at_least(0), help="CPU tier size in blocks")
+    size.add_argument("--cpu-frac", type=float, help="CPU tier as a fraction of unique blocks")
+    rp.add_argument("--disk-blocks", type=_int_at_least(0), default=0, help="disk tier size")
+    rp.add_argument("--data", action="store_true", help="move and verify real bytes")
+    rp.add_argument("--redis", metavar="URL", help="add a shared Redis tier below")
+    cp = sub.add_parser("compare", help="sweep capacities x policies, plot against the bounds")
+    _common(cp)
+    cp.add_argument(
+        "--fracs",
+        default="0.01,0.05,0.1,0.25",
+        help="capacities as fractions of the unique blocks (comma list)",
+    )
+    cp.add_argument("--png", metavar="FILE.png", help="write the plot as PNG")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "replay":
+            from kvtier.cli.replay import run_replay
+
+            document = run_replay(args)
+        else:
+            from kvtier.cli.compare import run_compare
+
+            document = run_compare(args)
+    except (TraceFormatError, ValueError, KeyError, OSError) as e:
+        print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(document, indent=2))
+    return 0

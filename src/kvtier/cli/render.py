@@ -1,0 +1,128 @@
+"""Rich tables and the progress bar (only on a terminal: logs stay clean)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtier.sim.replay import Progress as ProgressCallback
+from kvtier.sim.session import ProgressFactory, ReplayReport, SweepReport
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+@contextmanager
+def progress_bars(console: Console, enabled: bool) -> Iterator[ProgressFactory | None]:
+    """A factory of per-replay bars, or None when output is not an interactive terminal."""
+    if not (enabled and console.is_terminal):
+        yield None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bars:
+
+        def factory(label: str, total: int) -> ProgressCallback:
+            task = bars.add_task(label, total=total)
+            return lambda done: bars.update(task, completed=done)
+
+        yield factory
+
+
+def _count(n: float) -> str:
+    """Short counts (12.3k, 4.56M): the table must fit 80 columns when piped."""
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= limit:
+            return f"{n / limit:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
+def replay_table(report: ReplayReport) -> Table:
+    b = report.bounds
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title=f"{report.trace}: {report.requests:,} requests, {report.block_refs:,} block refs, "
+        f"{report.unique_blocks:,} unique blocks; capacity {b.capacity:,} blocks",
+        caption="hit rates: block (any position), prefix (usable), token (weighted); "
+        "saved: prefill tokens; bounds at the same capacity; replay speed: "
+        + ", ".join(f"{r.policy} {_count(r.refs_per_s)} refs/s" for r in report.results),
+    )
+    table.add_column("policy", min_width=8)
+    for name in ("block", "prefix", "token", "saved", "stores", "evicted", "filtered"):
+        table.add_column(name, justify="right", min_width=len(name))
+    for r in report.results:
+        table.add_row(
+            r.policy,
+            _pct(r.hit_rate),
+            _pct(r.prefix_hit_rate),
+            _pct(r.token_hit_rate),
+            _count(r.prefill_tokens_saved),
+            _count(sum(t.stores for t in r.tiers)),
+            _count(sum(t.evictions for t in r.tiers)),
+            _count(sum(t.filtered_stores for t in r.tiers)),
+        )
+    table.add_section()
+    table.add_row("belady", _pct(b.belady), style="dim")
+    table.add_row("infinite", _pct(b.infinite), _pct(b.infinite_prefix), style="dim")
+    return table
+
+
+def tier_table(report: ReplayReport) -> Table | None:
+    """Per-tier breakdown, shown only when more than one tier served."""
+    if all(len(r.tiers) <= 1 for r in report.results):
+        return None
+    table = Table(title="per tier")
+    for name in ("policy", "tier", "capacity", "served", "stores", "evictions", "filtered"):
+        table.add_column(name, justify="left" if name in ("policy", "tier") else "right")
+    for name in ("bytes in", "bytes out", "checksum fails"):
+        table.add_column(name, justify="right")
+    for r in report.results:
+        for t in r.tiers:
+            table.add_row(
+                r.policy,
+                t.name,
+                f"{t.capacity:,}",
+                _pct(t.hit_rate),
+                f"{t.stores:,}",
+                f"{t.evictions:,}",
+                f"{t.filtered_stores:,}",
+                f"{t.bytes_stored:,}",
+                f"{t.bytes_loaded:,}",
+                f"{t.checksum_failures}",
+            )
+    return table
+
+
+def sweep_table(report: SweepReport) -> Table:
+    table = Table(
+        title=f"{report.trace}: block hit rate by capacity "
+        f"({report.block_refs:,} refs, {report.unique_blocks:,} unique blocks)"
+    )
+    policies = list(dict.fromkeys(p.policy for p in report.points))
+    table.add_column("capacity", justify="right")
+    table.add_column("of unique", justify="right")
+    for policy in policies:
+        table.add_column(policy, justify="right")
+    table.add_column("belady", justify="right", style="dim")
+    table.add_column("infinite", justify="right", style="dim")
+    for capacity, belady in report.belady.items():
+        row = {p.policy: p for p in report.points if p.capacity == capacity}
+        fraction = next(iter(row.values())).fraction if row else 0.0
+        table.add_row(
+            f"{capacity:,}",
+            _pct(fraction),
+            *(_pct(row[p].hit_rate) for p in policies),
+            _pct(belady),
+            _pct(report.infinite),
+        )
+    return table

@@ -1,0 +1,48 @@
+"""`kvtier replay`: flags -> `ReplayConfig` -> `run_replays` -> table / JSON / HTML."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+
+from kvtier.cli.render import progress_bars, replay_table, tier_table
+from kvtier.sim.replay import ReplayConfig
+from kvtier.sim.session import open_workload, parse_policies, run_replays
+
+
+def config_from_args(args: argparse.Namespace) -> ReplayConfig:
+    for flag, value in (("--disk-blocks", args.disk_blocks), ("--data", args.data)):
+        if value:
+            raise ValueError(f"{flag} is not wired into the replay yet (data plane pending)")
+    if args.redis:
+        raise ValueError("--redis is not wired into the replay yet (remote tier pending)")
+    return ReplayConfig(
+        gpu_blocks=args.gpu_blocks,
+        cpu_blocks=args.cpu_blocks,
+        cpu_frac=args.cpu_frac,
+        store_threshold=args.store_threshold,
+    )
+
+
+def run_replay(args: argparse.Namespace) -> dict[str, Any]:
+    policies = parse_policies(args.policy)
+    config = config_from_args(args)
+    workload = open_workload(args.trace, args.format, limit=args.limit, seed=args.seed)
+    console = Console(stderr=args.json)
+    with progress_bars(console, enabled=not args.json) as bars:
+        report = run_replays(workload, policies, config, bars)
+    if not args.json:
+        console.print(replay_table(report))
+        tiers = tier_table(report)
+        if tiers is not None:
+            console.print(tiers)
+    if args.report:
+        from kvtier.cli.report import replay_png, replay_rows, write_html
+
+        title = f"kvtier replay: {report.trace}"
+        write_html(args.report, title, replay_rows(report), replay_png(report))
+        if not args.json:
+            console.print(f"report written to {args.report}")
+    return report.to_json()

@@ -1,0 +1,113 @@
+"""The `kvtier` command line: JSON schema, errors, reports, progress only on terminals."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kvtier.cli import main
+from kvtier.cli.render import progress_bars
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_replay_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _json(capsys, "replay", "--json", "--limit", "150", "--policy", "lru,arc")
+    assert {"trace", "block_refs", "unique_blocks", "bounds", "results"} <= set(doc)
+    bounds = doc["bounds"]
+    assert isinstance(bounds, dict) and {"infinite", "belady"} <= set(bounds)
+    results = doc["results"]
+    assert isinstance(results, list) and [r["policy"] for r in results] == ["lru", "arc"]
+    for r in results:
+        assert {"hit_rate", "prefix_hit_rate", "token_hit_rate", "tiers"} <= set(r)
+        assert 0 <= r["prefix_hit_rate"] <= r["hit_rate"] <= bounds["belady"] <= bounds["infinite"]
+        assert set(r["tiers"]) == {"cpu"}
+
+
+def test_replay_is_reproducible_by_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    a = _json(capsys, "replay", "--json", "--limit", "100", "--seed", "5")
+    b = _json(capsys, "replay", "--json", "--limit", "100", "--seed", "5")
+    c = _json(capsys, "replay", "--json", "--limit", "100", "--seed", "6")
+    strip = lambda d: [{k: v for k, v in r.items() if k != "seconds"} for r in d["results"]]  # noqa: E731
+    assert strip(a) == strip(b) != strip(c)
+
+
+def test_replay_table_without_terminal_has_no_progress_bar(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["replay", "--limit", "100", "--cpu-blocks", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "belady" in out and "infinite" in out and "lru" in out
+    assert "━" not in out.split("policy")[0]  # no bar drawn before the table
+
+
+def test_progress_bar_only_on_a_terminal() -> None:
+    with progress_bars(Console(file=io.StringIO()), enabled=True) as bars:
+        assert bars is None
+    terminal = Console(file=io.StringIO(), force_terminal=True)
+    with progress_bars(terminal, enabled=True) as bars:
+        assert bars is not None
+        bars("lru", 10)(5)
+
+
+def test_malformed_trace_error_names_file_line_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+        '{"timestamp": 1, "input_length": 5, "output_length": 1}\n'
+    )
+    assert main(["replay", "--trace", str(trace)]) == 2
+    assert "bad.jsonl:2: missing field 'hash_ids'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["replay", "--policy", "nope", "--limit", "10"], "unknown cache policy 'nope'"),
+        (["replay", "--store-threshold", "1", "--limit", "10"], "store_threshold"),
+        (["replay", "--cpu-frac", "2", "--limit", "10"], "cpu_frac"),
+        (["compare", "--fracs", "0.1,x", "--limit", "10"], "--fracs"),
+    ],
+)
+def test_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_replay_html_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "r.html"
+    assert main(["replay", "--limit", "100", "--report", str(report)]) == 0
+    text = report.read_text()
+    assert "<table>" in text and "data:image/png;base64," in text and "belady" in text
+
+
+def test_compare_table_png_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png, html = tmp_path / "c.png", tmp_path / "c.html"
+    argv = ["compare", "--limit", "120", "--fracs", "0.02,0.1", "--png", str(png)]
+    assert main([*argv, "--report", str(html)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "data:image/png;base64," in html.read_text()
+    assert "belady" in capsys.readouterr().out
+    doc = _json(capsys, *argv, "--json")
+    assert len(doc["results"]) == 4  # type: ignore[arg-type]
+    belady = doc["bounds"]["belady"]  # type: ignore[index]
+    assert list(belady.values()) == sorted(belady.values())
+
+
+def test_compare_on_real_trace_reproduces_published_lru(
+    conversation_trace_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["compare", "--trace", str(conversation_trace_path), "--policy", "lru"]
+    doc = _json(capsys, *argv, "--fracs", "0.05", "--json")
+    (point,) = doc["results"]  # type: ignore[misc]
+    assert point["capacity"] == 9139 and round(point["prefix_hit_rate"], 4) == 0.1957
+    assert round(doc["bounds"]["belady"]["9139"], 4) == 0.3664  # type: ignore[index]
