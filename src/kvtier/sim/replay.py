@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from kvtier.offload.abstract import OffloadingManager
 from kvtier.sim.concurrency import TimeModel, concurrent_offload_loop
@@ -21,6 +22,7 @@ from kvtier.sim.workload import Workload
 from kvtier.types import BlockHash
 
 Progress = Callable[[int], None]
+StoreOn = Literal["compute", "evict"]
 # Requests between two progress callbacks: often enough for a smooth bar, rare
 # enough to cost nothing in the loop.
 PROGRESS_EVERY = 512
@@ -39,6 +41,9 @@ class ReplayConfig:
     store_threshold: int = 0
     # Overlap requests by arrival time (in-flight loads/stores); None: sequential.
     time_model: TimeModel | None = None
+    # With an accelerator tier: store blocks to the CPU tier once computed (vLLM)
+    # or only when the accelerator evicts them.
+    store_on: StoreOn = "compute"
 
     def __post_init__(self) -> None:
         if self.cpu_blocks is not None and self.cpu_frac is not None:
@@ -47,6 +52,8 @@ class ReplayConfig:
             raise ValueError(f"cpu_blocks must be >= 0, got {self.cpu_blocks}")
         if self.cpu_frac is not None and not 0 < self.cpu_frac <= 1:
             raise ValueError(f"cpu_frac must be in (0, 1], got {self.cpu_frac}")
+        if self.store_on not in ("compute", "evict"):
+            raise ValueError(f"store_on must be 'compute' or 'evict', got {self.store_on!r}")
         if self.gpu_blocks < 0:
             raise ValueError(f"gpu_blocks must be >= 0, got {self.gpu_blocks}")
         if self.store_threshold != 0 and self.store_threshold < 2:
@@ -82,7 +89,9 @@ def replay(
 ) -> ReplayResult:
     """Replay the workload once under `config` and measure every tier."""
     if config.gpu_blocks:
-        raise ValueError("an accelerator tier (gpu_blocks > 0) needs the connector: not wired yet")
+        from kvtier.sim.tiered import replay_with_connector
+
+        return replay_with_connector(workload, config, progress)
     capacity = config.cpu_capacity(workload)
     manager = build_offload_manager(
         config.policy, capacity, workload.block_size, config.store_threshold

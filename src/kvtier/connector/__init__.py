@@ -1,0 +1,12 @@
+"""The scheduler-side connector an engine embeds between its accelerator pool and
+the offload tiers (see `kvtier.connector.scheduler`)."""
+
+from kvtier.connector.scheduler import (
+    Admission,
+    ConnectorCounters,
+    OffloadConnector,
+    StoreOn,
+    TransferJob,
+)
+
+__all__ = ["Admission", "ConnectorCounters", "OffloadConnector", "StoreOn", "TransferJob"]
