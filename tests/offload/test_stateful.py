@@ -1,0 +1,58 @@
+"""The shared stateful suite on kvtier's LRU and ARC managers, alone and mirrored
+against the vLLM reference port (so random interleavings also check decisions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.reference_offload import ReferenceCPUOffloadingManager
+from hypothesis import settings
+
+from kvtier.offload import (
+    ARCOffloadingManager,
+    CPUBackend,
+    CPUOffloadingManager,
+    LRUOffloadingManager,
+    OffloadingManager,
+)
+from tests.offload.suite import offloading_manager_machine
+
+CAPACITY = 4
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def _ghosts(manager: OffloadingManager) -> Any:
+    return manager.policy.ghost_sizes()  # type: ignore[attr-defined]
+
+
+def _cpu(policy: str) -> Any:
+    return lambda: CPUOffloadingManager(16, CAPACITY, policy, enable_events=True)
+
+
+def _reference(policy: str) -> Any:
+    return lambda: ReferenceCPUOffloadingManager(16, CAPACITY, policy, enable_events=True)
+
+
+TestLRU = offloading_manager_machine(
+    lambda: LRUOffloadingManager(CPUBackend(16, CAPACITY), enable_events=True),
+    capacity=CAPACITY,
+    exact_rejections=True,
+).TestCase
+TestLRU.settings = SETTINGS
+
+TestARC = offloading_manager_machine(
+    lambda: ARCOffloadingManager(CPUBackend(16, CAPACITY), enable_events=True),
+    capacity=CAPACITY,
+    ghost_sizes=_ghosts,
+).TestCase
+TestARC.settings = SETTINGS
+
+TestLRUMatchesReference = offloading_manager_machine(
+    _cpu("lru"), capacity=CAPACITY, reference=_reference("lru")
+).TestCase
+TestLRUMatchesReference.settings = SETTINGS
+
+TestARCMatchesReference = offloading_manager_machine(
+    _cpu("arc"), capacity=CAPACITY, ghost_sizes=_ghosts, reference=_reference("arc")
+).TestCase
+TestARCMatchesReference.settings = SETTINGS
