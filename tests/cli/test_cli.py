@@ -111,3 +111,27 @@ def test_compare_on_real_trace_reproduces_published_lru(
     (point,) = doc["results"]  # type: ignore[misc]
     assert point["capacity"] == 9139 and round(point["prefix_hit_rate"], 4) == 0.1957
     assert round(doc["bounds"]["belady"]["9139"], 4) == 0.3664  # type: ignore[index]
+
+
+@pytest.mark.parametrize("extra", [[], ["--concurrent"], ["--store-on", "evict"]])
+def test_replay_with_gpu_tier_reports_both_tiers(
+    extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["replay", "--json", "--limit", "150", "--gpu-blocks", "300", "--policy", "lru"]
+    doc = _json(capsys, *argv, *extra)
+    (result,) = doc["results"]  # type: ignore[misc]
+    assert set(result["tiers"]) == {"gpu", "cpu"}
+    served = sum(t["hit_blocks"] for t in result["tiers"].values())
+    assert served == result["prefix_hit_blocks"]
+    assert doc["capacity"]["gpu_blocks"] == 300  # type: ignore[index]
+
+
+def test_replay_table_shows_tiers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--limit", "100", "--gpu-blocks", "200", "--policy", "lru"]) == 0
+    out = capsys.readouterr().out
+    assert "per tier" in out and "gpu" in out and "cpu" in out
+
+
+def test_pending_tiers_are_refused_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--limit", "10", "--data"]) == 2
+    assert "--data" in capsys.readouterr().err

@@ -55,6 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     size = rp.add_mutually_exclusive_group()
     size.add_argument("--cpu-blocks", type=_int_at_least(0), help="CPU tier size in blocks")
     size.add_argument("--cpu-frac", type=float, help="CPU tier as a fraction of unique blocks")
+    rp.add_argument(
+        "--store-on",
+        choices=("compute", "evict"),
+        default="compute",
+        help="with a GPU tier: store to CPU once computed (vLLM) or on GPU eviction",
+    )
+    rp.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="overlap requests by arrival time (in-flight loads/stores, waiting for room)",
+    )
     rp.add_argument("--disk-blocks", type=_int_at_least(0), default=0, help="disk tier size")
     rp.add_argument("--data", action="store_true", help="move and verify real bytes")
     rp.add_argument("--redis", metavar="URL", help="add a shared Redis tier below")

@@ -54,7 +54,8 @@ def replay_table(report: ReplayReport) -> Table:
         title=f"{report.trace}: {report.requests:,} requests, {report.block_refs:,} block refs, "
         f"{report.unique_blocks:,} unique blocks; capacity {b.capacity:,} blocks",
         caption="hit rates: block (any position), prefix (usable), token (weighted); "
-        "saved: prefill tokens; bounds at the same capacity; replay speed: "
+        "saved: prefill tokens; stores/evicted/filtered: offload tiers; "
+        "bounds at the same total capacity; replay speed: "
         + ", ".join(f"{r.policy} {_count(r.refs_per_s)} refs/s" for r in report.results),
     )
     table.add_column("policy", min_width=8)
@@ -67,9 +68,9 @@ def replay_table(report: ReplayReport) -> Table:
             _pct(r.prefix_hit_rate),
             _pct(r.token_hit_rate),
             _count(r.prefill_tokens_saved),
-            _count(sum(t.stores for t in r.tiers)),
-            _count(sum(t.evictions for t in r.tiers)),
-            _count(sum(t.filtered_stores for t in r.tiers)),
+            _count(sum(t.stores for t in r.tiers if t.name != "gpu")),
+            _count(sum(t.evictions for t in r.tiers if t.name != "gpu")),
+            _count(sum(t.filtered_stores for t in r.tiers if t.name != "gpu")),
         )
     table.add_section()
     table.add_row("belady", _pct(b.belady), style="dim")
@@ -81,25 +82,28 @@ def tier_table(report: ReplayReport) -> Table | None:
     """Per-tier breakdown, shown only when more than one tier served."""
     if all(len(r.tiers) <= 1 for r in report.results):
         return None
-    table = Table(title="per tier")
-    for name in ("policy", "tier", "capacity", "served", "stores", "evictions", "filtered"):
-        table.add_column(name, justify="left" if name in ("policy", "tier") else "right")
-    for name in ("bytes in", "bytes out", "checksum fails"):
-        table.add_column(name, justify="right")
+    moved = any(t.bytes_loaded or t.bytes_stored for r in report.results for t in r.tiers)
+    table = Table(box=box.SIMPLE_HEAD, title="per tier (served: share of all block refs)")
+    names = ["policy", "tier", "capacity", "served", "stores", "evicted", "filtered"]
+    if moved:
+        names += ["bytes in", "bytes out", "bad sums"]
+    for name in names:
+        left = name in ("policy", "tier")
+        table.add_column(name, justify="left" if left else "right", min_width=len(name))
     for r in report.results:
         for t in r.tiers:
-            table.add_row(
+            cells = [
                 r.policy,
                 t.name,
-                f"{t.capacity:,}",
+                _count(t.capacity),
                 _pct(t.hit_rate),
-                f"{t.stores:,}",
-                f"{t.evictions:,}",
-                f"{t.filtered_stores:,}",
-                f"{t.bytes_stored:,}",
-                f"{t.bytes_loaded:,}",
-                f"{t.checksum_failures}",
-            )
+                _count(t.stores),
+                _count(t.evictions),
+                _count(t.filtered_stores),
+            ]
+            if moved:
+                cells += [_count(t.bytes_stored), _count(t.bytes_loaded), str(t.checksum_failures)]
+            table.add_row(*cells)
     return table
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 
 from kvtier.cli.render import progress_bars, replay_table, tier_table
+from kvtier.sim.concurrency import TimeModel
 from kvtier.sim.replay import ReplayConfig
 from kvtier.sim.session import open_workload, parse_policies, run_replays
 
@@ -23,6 +24,8 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
         cpu_blocks=args.cpu_blocks,
         cpu_frac=args.cpu_frac,
         store_threshold=args.store_threshold,
+        time_model=TimeModel() if args.concurrent else None,
+        store_on=args.store_on,
     )
 
 
