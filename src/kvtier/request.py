@@ -27,6 +27,7 @@ class Request:
 
     __slots__ = (
         "_block_hashes",
+        "_hash_block_size",
         "_hash_spec",
         "_num_tokens",
         "_precomputed",
@@ -65,8 +66,10 @@ class Request:
                 )
         self._block_hashes: list[BlockHash] = []
         self._hash_spec: BlockHashSpec | None = None
+        self._hash_block_size = 0
         if block_size is not None:
             self._hash_spec = self._make_spec(block_size, hash_algorithm)
+            self._hash_block_size = block_size
 
     def _init_common(
         self,
@@ -125,7 +128,8 @@ class Request:
         request._precomputed = True
         request.mm_inputs = ()
         request._block_hashes = hashes
-        request._hash_spec = BlockHashSpec(block_size=block_size)
+        request._hash_spec = None
+        request._hash_block_size = block_size
         return request
 
     # --- tokens ---------------------------------------------------------------------
@@ -170,6 +174,8 @@ class Request:
     @property
     def block_hashes(self) -> Sequence[BlockHash]:
         """Hashes of every full block so far (needs a block size, from init or a manager)."""
+        if self._precomputed:
+            return self._block_hashes
         if self._hash_spec is None:
             raise ValueError(
                 f"request {self.request_id!r} has no block size yet: pass block_size= or "
@@ -179,17 +185,17 @@ class Request:
 
     def get_block_hashes(self, block_size: int, algorithm: HashAlgorithm) -> list[BlockHash]:
         """The cached hashes, extended to the current full blocks (a live list: read only)."""
-        spec = self._hash_spec
         if self._precomputed:
-            assert spec is not None
-            if block_size != spec.block_size:
+            if block_size != self._hash_block_size:
                 raise ValueError(
-                    f"request {self.request_id!r} carries hashes of {spec.block_size}-token "
-                    f"blocks, not {block_size}"
+                    f"request {self.request_id!r} carries hashes of {self._hash_block_size}-"
+                    f"token blocks, not {block_size}"
                 )
             return self._block_hashes
+        spec = self._hash_spec
         if spec is None or spec.block_size != block_size or spec.algorithm != algorithm:
             self._hash_spec = spec = self._make_spec(block_size, algorithm)
+            self._hash_block_size = block_size
             self._block_hashes = []
         hashes = self._block_hashes
         num_hashed = len(hashes)

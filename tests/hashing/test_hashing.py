@@ -157,7 +157,7 @@ EDGE_VALUES = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**32 - 1]
 
 @pytest.mark.parametrize("block_size", [1, 16, 23, 24, 255, 256])
 def test_fast_encoder_matches_cbor2_at_every_width(block_size: int) -> None:
-    tokens = (EDGE_VALUES * 60)[: block_size * 3 + 1]
+    tokens = (EDGE_VALUES * 300)[: block_size * 10 + 1]  # >= 8 blocks: the batched path
     assert hash_request_blocks(tokens, block_size) == ref_chain(tokens, block_size)
     as_array = np.array(tokens, dtype=np.uint32)
     assert hash_request_blocks(as_array, block_size) == ref_chain(tokens, block_size)
@@ -165,8 +165,11 @@ def test_fast_encoder_matches_cbor2_at_every_width(block_size: int) -> None:
 
 @pytest.mark.parametrize("odd", [2**32, 2**63 - 1, 2**64 - 1, 2**70, -1, -(2**40)])
 def test_tokens_beyond_the_fast_path_fall_back_to_cbor2(odd: int) -> None:
-    tokens = [5, odd, 7, 300]
+    tokens = [5, odd, 7, 300] * 5
     assert hash_request_blocks(tokens, 2) == ref_chain(tokens, 2)
+    if odd < 2**63:
+        as_array = np.array(tokens, dtype=np.int64)
+        assert hash_request_blocks(as_array, 2) == ref_chain(tokens, 2)
 
 
 def test_hash_block_tokens_reference() -> None:
@@ -199,7 +202,9 @@ def test_bad_input(kwargs: dict[str, Any], message: str) -> None:
         hash_request_blocks(TOKENS, **args)
 
 
-@pytest.mark.parametrize("tokens", [[1.5, 2.0], np.array([1.0, 2.0]), ["a", "b"]])
+@pytest.mark.parametrize(
+    "tokens", [[1.5, 2.0], np.array([1.0, 2.0]), ["a", "b"], [1.5] * 20, np.ones(20)]
+)
 def test_non_integer_tokens_rejected(tokens: Any) -> None:
     with pytest.raises(ValueError, match="int"):
         hash_request_blocks(tokens, 1)

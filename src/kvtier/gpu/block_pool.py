@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 from kvtier.gpu.block import KVCacheBlock
 from kvtier.gpu.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -10,6 +11,7 @@ from kvtier.gpu.free_queue import FreeKVCacheBlockQueue
 from kvtier.types import BlockHash
 
 EvictionHook = Callable[[BlockHash], None]
+NULL_BLOCK_REF_CNT = 1 << 62
 
 
 class BlockPool:
@@ -22,8 +24,9 @@ class BlockPool:
     several blocks; a lookup returns the earliest cached one.
 
     With `with_null_block`, block 0 is taken out at start as the placeholder that
-    sliding-window block tables hold for blocks they no longer need (as vLLM does); its
-    reference count is not maintained and it is never freed or cached.
+    sliding-window block tables hold for blocks they no longer need (as vLLM does). Its
+    reference count starts huge, so taking and dropping references on it never brings
+    it to 0: the hot loops need no special case for it. It is never cached.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class BlockPool:
         if with_null_block:
             self.null_block = self.free_block_queue.popleft()
             self.null_block.is_null = True
+            self.null_block.ref_cnt = NULL_BLOCK_REF_CNT
         # hash -> the block, or {block_id: block} in caching order when duplicated.
         self._cached: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self._events: list[KVCacheEvent] = []
@@ -68,16 +72,16 @@ class BlockPool:
         self, block_hashes: Sequence[BlockHash], max_num_blocks: int
     ) -> list[KVCacheBlock]:
         """The cached blocks of the first `max_num_blocks` hashes, up to the first miss."""
-        cached = self._cached
+        get = self._cached.get
         blocks: list[KVCacheBlock] = []
+        append = blocks.append
         for i in range(max_num_blocks):
-            entry = cached.get(block_hashes[i])
+            entry = get(block_hashes[i])
             if entry is None:
                 break
             if type(entry) is dict:
                 entry = next(iter(entry.values()))
-            assert isinstance(entry, KVCacheBlock)
-            blocks.append(entry)
+            append(cast(KVCacheBlock, entry))
         return blocks
 
     def __contains__(self, block_hash: BlockHash) -> bool:
@@ -106,21 +110,16 @@ class BlockPool:
         lora_name: str | None,
     ) -> None:
         """Register `blocks[num_cached:num_full]` under `block_hashes[num_cached:num_full]`."""
-        cached = self._cached
+        # Never a null block in this range: blocks leave a sliding window only after
+        # they were full, hence cached (or never hashable at all).
+        setdefault = self._cached.setdefault
         for i in range(num_cached, num_full):
             block = blocks[i]
-            if block.is_null:
-                continue
             block_hash = block_hashes[i]
             block.block_hash = block_hash
-            entry = cached.get(block_hash)
-            if entry is None:
-                cached[block_hash] = block
-            elif type(entry) is dict:
-                entry[block.block_id] = block
-            else:
-                assert isinstance(entry, KVCacheBlock)
-                cached[block_hash] = {entry.block_id: entry, block.block_id: block}
+            entry = setdefault(block_hash, block)
+            if entry is not block:
+                self._add_duplicate(block_hash, entry, block)
         if self.enable_kv_cache_events:
             tokens = (
                 ()
@@ -137,17 +136,30 @@ class BlockPool:
                 )
             )
 
-    def _evict_cached_block(self, block: KVCacheBlock) -> None:
-        block_hash = block.block_hash
-        assert block_hash is not None
-        block.block_hash = None
-        entry = self._cached[block_hash]
+    def _add_duplicate(
+        self,
+        block_hash: BlockHash,
+        entry: KVCacheBlock | dict[int, KVCacheBlock],
+        block: KVCacheBlock,
+    ) -> None:
         if type(entry) is dict:
-            del entry[block.block_id]
-            if len(entry) == 1:
-                self._cached[block_hash] = next(iter(entry.values()))
+            entry[block.block_id] = block
         else:
-            del self._cached[block_hash]
+            first = cast(KVCacheBlock, entry)
+            self._cached[block_hash] = {first.block_id: first, block.block_id: block}
+
+    def _after_evict(
+        self,
+        block: KVCacheBlock,
+        block_hash: BlockHash,
+        entry: KVCacheBlock | dict[int, KVCacheBlock],
+    ) -> None:
+        """Finish an eviction: restore the other copies of a duplicated hash, report it."""
+        if entry is not block:
+            duplicates = cast(dict[int, KVCacheBlock], entry)
+            del duplicates[block.block_id]
+            first = next(iter(duplicates.values()))
+            self._cached[block_hash] = duplicates if len(duplicates) > 1 else first
         if self.enable_kv_cache_events:
             self._events.append(BlockRemoved(block_hashes=(block_hash,)))
         if self.on_evict is not None:
@@ -166,31 +178,32 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop blocks from the free-queue head, evicting their cached hashes; ref count 1."""
         blocks = self.free_block_queue.popleft_n(num_blocks)
+        pop = self._cached.pop
+        simple = not self.enable_kv_cache_events and self.on_evict is None
         for block in blocks:
-            if block.block_hash is not None:
-                self._evict_cached_block(block)
+            block_hash = block.block_hash
+            if block_hash is not None:  # evict it from the prefix cache
+                block.block_hash = None
+                entry = pop(block_hash)
+                if entry is not block or not simple:
+                    self._after_evict(block, block_hash, entry)
             block.ref_cnt = 1
         return blocks
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks, reviving those sitting in the free queue."""
-        remove = self.free_block_queue.remove
+        self.free_block_queue.remove_all([b for b in blocks if b.ref_cnt == 0])
         for block in blocks:
-            if block.is_null:
-                continue
-            if block.ref_cnt == 0:
-                remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the tail in the given order."""
-        append = self.free_block_queue.append
+        freed: list[KVCacheBlock] = []
         for block in ordered_blocks:
-            if block.is_null:
-                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                append(block)
+                freed.append(block)
+        self.free_block_queue.append_n(freed)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""

@@ -65,6 +65,17 @@ class FreeKVCacheBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
 
+    def remove_all(self, blocks: list[KVCacheBlock]) -> None:
+        """Unlink every given block (all must be in the queue; checked, O(len))."""
+        for block in blocks:
+            prev_block, next_block = block.prev_free, block.next_free
+            if prev_block is None or next_block is None:
+                raise ValueError(f"block {block.block_id} is not in the free queue")
+            prev_block.next_free = next_block
+            next_block.prev_free = prev_block
+            block.prev_free = block.next_free = None
+        self.num_free_blocks -= len(blocks)
+
     def append(self, block: KVCacheBlock) -> None:
         """Put a block at the tail (evicted last)."""
         if block.prev_free is not None or block.next_free is not None:

@@ -140,10 +140,9 @@ class KVCacheManager:
         computed = list(computed_blocks) if computed_blocks else []
         num_computed_tokens = len(computed) * self.block_size + num_tokens
         self._check_length(request, num_computed_tokens)
-        self._check_computed_blocks(request, computed)
+        num_reused_free = self._check_computed_blocks(request, computed)
         pool = self.block_pool
         num_required = _cdiv(num_computed_tokens, self.block_size) - len(computed)
-        num_reused_free = sum(1 for b in computed if b.ref_cnt == 0 and not b.is_null)
         if num_required > pool.get_num_free_blocks() - num_reused_free:
             return None
         pool.touch(computed)
@@ -285,10 +284,14 @@ class KVCacheManager:
                 f"{num_computed_tokens} asked (append its tokens first)"
             )
 
-    def _check_computed_blocks(self, request: Request, computed: list[KVCacheBlock]) -> None:
-        """Refuse blocks that do not (or no longer) hold this request's prefix."""
+    def _check_computed_blocks(self, request: Request, computed: list[KVCacheBlock]) -> int:
+        """Refuse blocks that do not (or no longer) hold this request's prefix.
+
+        Returns how many of them sit in the free queue (they are not free for this
+        request: it is about to take them).
+        """
         if not computed:
-            return
+            return 0
         if not self.enable_caching:
             raise ValueError("computed_blocks given, but prefix caching is disabled")
         hashes = request.get_block_hashes(self.block_size, self.hash_algorithm)
@@ -297,12 +300,16 @@ class KVCacheManager:
                 f"{len(computed)} computed blocks for request {request.request_id!r}, "
                 f"which has only {len(hashes)} full-block hashes"
             )
-        for i, block in enumerate(computed):
-            if not block.is_null and block.block_hash != hashes[i]:
+        num_in_free_queue = 0
+        for block, block_hash in zip(computed, hashes, strict=False):
+            if block.block_hash != block_hash and not block.is_null:
                 raise ValueError(
-                    f"computed block {i} (id {block.block_id}) does not hold request "
+                    f"computed block {block.block_id} does not hold request "
                     f"{request.request_id!r}'s prefix (evicted since get_computed_blocks?)"
                 )
+            if block.ref_cnt == 0:  # never true of the null block
+                num_in_free_queue += 1
+        return num_in_free_queue
 
     def _skipped(self, request: Request, blocks: list[KVCacheBlock]) -> list[int]:
         if self.sliding_window is None:
