@@ -113,7 +113,10 @@ class BlockHashSpec:
         return bool(self.cache_salt) or self.lora_name is not None or bool(self.mm_inputs)
 
     def extra_keys(self, block_index: int) -> tuple[Any, ...] | None:
-        """`extra_keys_i` of SEMANTICS.md: LoRA, overlapping mm inputs, then the salt."""
+        """`extra_keys_i` of SEMANTICS.md: LoRA, overlapping mm inputs, then the salt.
+
+        An empty salt counts as no salt, as in vLLM (which tests the salt's truth).
+        """
         start = block_index * self.block_size
         end = start + self.block_size
         keys: list[tuple[Any, ...]] = []

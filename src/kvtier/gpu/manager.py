@@ -273,6 +273,11 @@ class KVCacheManager:
         return blocks
 
     def _check_length(self, request: Request, num_computed_tokens: int) -> None:
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
         if num_computed_tokens > self.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r} would reach {num_computed_tokens} tokens, "
