@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--disk-blocks", type=_int_at_least(0), default=0, help="disk tier size")
     rp.add_argument("--data", action="store_true", help="move and verify real bytes")
     rp.add_argument("--redis", metavar="URL", help="add a shared Redis tier below")
+    rp.add_argument(
+        "--redis-namespace",
+        metavar="NAME",
+        help="Redis key namespace (default: fresh per replay; share it to share blocks)",
+    )
     cp = sub.add_parser("compare", help="sweep capacities x policies, plot against the bounds")
     _common(cp)
     cp.add_argument(

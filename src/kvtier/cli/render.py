@@ -82,28 +82,25 @@ def tier_table(report: ReplayReport) -> Table | None:
     """Per-tier breakdown, shown only when more than one tier served."""
     if all(len(r.tiers) <= 1 for r in report.results):
         return None
-    moved = any(t.bytes_loaded or t.bytes_stored for r in report.results for t in r.tiers)
+    rows = [(r.policy, t) for r in report.results for t in r.tiers]
+    moved = any(t.bytes_loaded or t.bytes_stored for _, t in rows)
+    filtered = any(t.filtered_stores for _, t in rows)
     table = Table(box=box.SIMPLE_HEAD, title="per tier (served: share of all block refs)")
-    names = ["policy", "tier", "capacity", "served", "stores", "evicted", "filtered"]
-    if moved:
-        names += ["bytes in", "bytes out", "bad sums"]
+    names = ["policy", "tier", "size", "served", "stores", "evicted"]
+    names += ["filtered"] * filtered + ["bytes in/out", "bad sums"] * moved
     for name in names:
         left = name in ("policy", "tier")
-        table.add_column(name, justify="left" if left else "right", min_width=len(name))
-    for r in report.results:
-        for t in r.tiers:
-            cells = [
-                r.policy,
-                t.name,
-                _count(t.capacity),
-                _pct(t.hit_rate),
-                _count(t.stores),
-                _count(t.evictions),
-                _count(t.filtered_stores),
-            ]
-            if moved:
-                cells += [_count(t.bytes_stored), _count(t.bytes_loaded), str(t.checksum_failures)]
-            table.add_row(*cells)
+        width = 6 if name == "tier" else len(name)
+        table.add_column(name, justify="left" if left else "right", min_width=width)
+    for policy, t in rows:
+        cells = [policy, t.name, _count(t.capacity), _pct(t.hit_rate)]
+        cells += [_count(t.stores), _count(t.evictions)]
+        if filtered:
+            cells.append(_count(t.filtered_stores))
+        if moved:
+            io = f"{_count(t.bytes_stored)}/{_count(t.bytes_loaded)}"
+            cells += [io, str(t.checksum_failures)]
+        table.add_row(*cells)
     return table
 
 

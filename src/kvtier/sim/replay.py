@@ -10,6 +10,7 @@ With an accelerator tier the requests go through the connector instead
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,13 @@ class ReplayConfig:
     # With an accelerator tier: store blocks to the CPU tier once computed (vLLM)
     # or only when the accelerator evicts them.
     store_on: StoreOn = "compute"
+    # A shared Redis tier below the CPU tier (write-through, promotion on load).
+    redis_url: str | None = None
+    # Key namespace in Redis; None: a fresh one per replay (runs never share blocks).
+    redis_namespace: str | None = None
+    # Placeholder bytes written per block without a data plane (Redis memory and
+    # traffic then behave as with real blocks of that size).
+    remote_payload_bytes: int = 256
 
     def __post_init__(self) -> None:
         if self.cpu_blocks is not None and self.cpu_frac is not None:
@@ -69,19 +77,9 @@ class ReplayConfig:
         return max(1, int(workload.unique_blocks * frac))
 
     def total_capacity(self, workload: Workload) -> int:
-        return self.gpu_blocks + self.cpu_capacity(workload)
-
-
-def build_offload_manager(
-    policy: str, num_blocks: int, block_size: int, store_threshold: int = 0
-) -> OffloadingManager:
-    """The CPU tier's manager by policy name, behind the reuse filter when asked."""
-    from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
-
-    manager: OffloadingManager = CPUOffloadingManager(block_size, num_blocks, cache_policy=policy)
-    if store_threshold:
-        manager = FilterReusedOffloadingManager(manager, store_threshold=store_threshold)
-    return manager
+        """Blocks all tiers hold together; a remote tier is unbounded (Redis evicts)."""
+        remote = workload.unique_blocks if self.redis_url else 0
+        return self.gpu_blocks + self.cpu_capacity(workload) + remote
 
 
 def replay(
@@ -92,12 +90,18 @@ def replay(
         from kvtier.sim.tiered import replay_with_connector
 
         return replay_with_connector(workload, config, progress)
-    capacity = config.cpu_capacity(workload)
-    manager = build_offload_manager(
-        config.policy, capacity, workload.block_size, config.store_threshold
-    )
-    cpu = TierCounters("cpu", capacity, config.policy)
-    return replay_offload_only(workload, manager, cpu, progress, config.time_model)
+    from kvtier.sim.tiers import build_tiers
+
+    tiers = build_tiers(workload, config)
+    try:
+        total = TierCounters("cpu", tiers.cpu_capacity, config.policy)
+        result = replay_offload_only(workload, tiers.manager, total, progress, config.time_model)
+    finally:
+        tiers.close()
+    if tiers.chain is None:
+        return result
+    per_tier = tiers.stats(total, workload.block_refs, workload.block_size)
+    return dataclasses.replace(result, tiers=tuple(per_tier))
 
 
 def replay_offload_only(

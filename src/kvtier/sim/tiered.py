@@ -56,11 +56,12 @@ class _Tally:
 def replay_with_connector(
     workload: Workload, config: ReplayConfig, progress: Progress | None = None
 ) -> ReplayResult:
-    from kvtier.sim.replay import build_offload_manager
+    from kvtier.sim.tiers import build_tiers
 
     bs = workload.block_size
-    capacity = config.cpu_capacity(workload)
-    offload = build_offload_manager(config.policy, capacity, bs, config.store_threshold)
+    tiers = build_tiers(workload, config)
+    capacity = tiers.cpu_capacity
+    offload = tiers.manager
     longest = max((r.input_length + r.output_length for r in workload.requests), default=1)
     connector = OffloadConnector.create(
         offload,
@@ -74,10 +75,13 @@ def replay_with_connector(
         TierCounters("cpu", capacity, config.policy),
     )
     started = time.perf_counter()
-    if config.time_model is None:
-        _sequential(workload, connector, tally, progress)
-    else:
-        _concurrent(workload, connector, tally, config.time_model)
+    try:
+        if config.time_model is None:
+            _sequential(workload, connector, tally, progress)
+        else:
+            _concurrent(workload, connector, tally, config.time_model)
+    finally:
+        tiers.close()
     seconds = time.perf_counter() - started
     tally.gpu.evictions = connector.counters.gpu_evictions
     tally.cpu.store_rejections = connector.counters.store_rejections
@@ -90,7 +94,10 @@ def replay_with_connector(
         prefix_hit_blocks=prefix,
         hit_tokens=prefix * bs,
         prefill_tokens_saved=prefix * bs,  # the connector already kept the last token
-        tiers=(tally.gpu.freeze(workload.block_refs), tally.cpu.freeze(workload.block_refs)),
+        tiers=(
+            tally.gpu.freeze(workload.block_refs),
+            *tiers.stats(tally.cpu, workload.block_refs, bs),
+        ),
         seconds=seconds,
         extra={"unschedulable_requests": tally.unschedulable, "waited": tally.waited},
     )

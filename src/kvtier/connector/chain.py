@@ -1,0 +1,180 @@
+"""Offload tiers in order (fastest first) behind one `OffloadingManager`.
+
+The connector talks to one manager; an engine with a CPU tier (or the CPU+disk
+cascade) and a shared Redis tier below it uses this chain:
+
+- `lookup` continues the prefix tier by tier (no holes): tier 0's hits, then the
+  next tier's hits on what is left, and so on;
+- `prepare_load` splits the hit run by tier (the split of the matching lookup), and
+  `complete_load` promotes blocks served by a lower tier into the tiers above it,
+  so the next hit is local;
+- `prepare_store` writes through: every tier is offered the blocks (each skips what
+  it holds), so a shared remote tier sees every computed prefix;
+- `touch` reaches every tier.
+
+It also keeps, per tier, what it served, stored and evicted, and a mirror of each
+tier's contents, so a replay can tell which tier served what and count blocks
+present at any position. Redis evicts silently, so the remote mirror is an upper
+bound (blocks there may be gone).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.offload.abstract import LoadStoreSpec, OffloadingManager, PrepareStoreOutput
+from kvtier.types import BlockHash
+
+
+@dataclass
+class TierTally:
+    hit_blocks: int = 0
+    stores: int = 0
+    evictions: int = 0
+    promotions: int = 0
+    store_rejections: int = 0
+
+
+@dataclass
+class ChainSpec(LoadStoreSpec):
+    """One spec per tier involved: (tier name, hashes, that tier's spec)."""
+
+    parts: list[tuple[str, list[BlockHash], LoadStoreSpec]] = field(default_factory=list)
+
+    @staticmethod
+    def medium() -> str:
+        return "CHAIN"
+
+
+class TierChain(OffloadingManager):
+    def __init__(
+        self, tiers: Sequence[tuple[str, OffloadingManager]], promote: bool = True
+    ) -> None:
+        names = [name for name, _ in tiers]
+        if not tiers or len(set(names)) != len(names):
+            raise ValueError(f"a chain needs at least one tier and distinct names, got {names}")
+        self.tiers = list(tiers)
+        self.promote = promote
+        self.tallies = {name: TierTally() for name in names}
+        self.resident: list[set[BlockHash]] = [set() for _ in tiers]
+        self._last: tuple[list[BlockHash], list[int]] = ([], [])
+        self._loads: defaultdict[tuple[BlockHash, ...], deque[list[tuple[int, list[BlockHash]]]]]
+        self._loads = defaultdict(deque)
+        self._stores: dict[BlockHash, list[int]] = {}  # in flight -> tiers storing it
+
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
+        hashes = list(block_hashes)
+        counts: list[int] = []
+        total = 0
+        for _, manager in self.tiers:
+            if total == len(hashes):
+                counts.append(0)
+                continue
+            hits = manager.lookup(hashes[total:]) or 0  # "ask again" from a lower tier: a miss
+            counts.append(hits)
+            total += hits
+        self._last = (hashes, counts)
+        return total
+
+    def _split(self, hashes: list[BlockHash]) -> list[int]:
+        last, counts = self._last
+        if last[: len(hashes)] != hashes:
+            self.lookup(hashes)
+            last, counts = self._last
+        split, left = [], len(hashes)
+        for count in counts:
+            split.append(min(count, left))
+            left -= split[-1]
+        if left:
+            raise KeyError(f"prepare_load: {left} of {len(hashes)} blocks are in no tier")
+        return split
+
+    def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
+        hashes = list(block_hashes)
+        spec, parts, start = ChainSpec(), [], 0
+        for k, count in enumerate(self._split(hashes)):
+            if count:
+                part = hashes[start : start + count]
+                name, manager = self.tiers[k]
+                spec.parts.append((name, part, manager.prepare_load(part)))
+                parts.append((k, part))
+                self.tallies[name].hit_blocks += count
+                start += count
+        self._loads[tuple(hashes)].append(parts)
+        return spec
+
+    def touch(self, block_hashes: Iterable[BlockHash]) -> None:
+        hashes = list(block_hashes)
+        for _, manager in self.tiers:
+            manager.touch(hashes)
+
+    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
+        key = tuple(block_hashes)
+        pending = self._loads.get(key)
+        if not pending:
+            raise KeyError(f"complete_load: no load in flight for these {len(key)} blocks")
+        parts = pending.popleft()
+        if not pending:
+            del self._loads[key]
+        for k, part in parts:
+            self.tiers[k][1].complete_load(part)
+            if self.promote:
+                for upper in range(k):
+                    self._promote(upper, part)
+
+    def _promote(self, k: int, hashes: list[BlockHash]) -> None:
+        name, manager = self.tiers[k]
+        out = manager.prepare_store(hashes)
+        if out is None:
+            return
+        self._account(k, out)
+        manager.complete_store(out.block_hashes_to_store)
+        self.resident[k].update(out.block_hashes_to_store)
+        self.tallies[name].promotions += len(out.block_hashes_to_store)
+
+    def _account(self, k: int, out: PrepareStoreOutput) -> None:
+        tally = self.tallies[self.tiers[k][0]]
+        tally.stores += len(out.block_hashes_to_store)
+        tally.evictions += len(out.block_hashes_evicted)
+        self.resident[k].difference_update(out.block_hashes_evicted)
+
+    def _anywhere(self, block_hash: BlockHash) -> bool:
+        return any(block_hash in r for r in self.resident) or block_hash in self._stores
+
+    def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
+        """Offer the blocks to every tier. To store: what any tier will store (complete
+        them all with `complete_store`); evicted: blocks that left every tier."""
+        hashes = list(block_hashes)
+        stored: dict[BlockHash, None] = {}  # every tier's new blocks, in order
+        evicted: list[BlockHash] = []
+        parts: list[tuple[str, list[BlockHash], LoadStoreSpec]] = []
+        accepted = False
+        for k, (name, manager) in enumerate(self.tiers):
+            out = manager.prepare_store(hashes)
+            if out is None:
+                self.tallies[name].store_rejections += 1
+                continue
+            accepted = True
+            self._account(k, out)
+            evicted += out.block_hashes_evicted
+            parts.append((name, out.block_hashes_to_store, out.store_spec))
+            for h in out.block_hashes_to_store:
+                self._stores.setdefault(h, []).append(k)
+                stored[h] = None
+        if not accepted:
+            return None
+        gone = [h for h in dict.fromkeys(evicted) if not self._anywhere(h)]
+        return PrepareStoreOutput(list(stored), ChainSpec(parts), gone)
+
+    def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        """Settle every tier's part of the stores of these hashes."""
+        by_tier: defaultdict[int, list[BlockHash]] = defaultdict(list)
+        for h in block_hashes:
+            for k in self._stores.pop(h, ()):
+                by_tier[k].append(h)
+        for k, hashes in by_tier.items():
+            self.tiers[k][1].complete_store(hashes, success)
+            if success:
+                self.resident[k].update(hashes)

@@ -1,0 +1,87 @@
+"""The tier chain: prefix continued across tiers, promotion, write-through."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.connector.chain import ChainSpec, TierChain
+from kvtier.offload import CPUOffloadingManager
+from kvtier.types import BlockHash, int_block_hash
+
+
+def _h(*ids: int) -> list[BlockHash]:
+    return [int_block_hash(i) for i in ids]
+
+
+def _chain(top: int = 2, bottom: int = 8) -> TierChain:
+    return TierChain(
+        [
+            ("cpu", CPUOffloadingManager(4, top, cache_policy="lru")),
+            ("disk", CPUOffloadingManager(4, bottom, cache_policy="lru")),
+        ]
+    )
+
+
+def _store(chain: TierChain, hashes: list[BlockHash]) -> None:
+    out = chain.prepare_store(hashes)
+    assert out is not None
+    chain.complete_store(out.block_hashes_to_store)
+
+
+def test_write_through_and_prefix_across_tiers() -> None:
+    chain = _chain()
+    _store(chain, _h(1, 2))
+    _store(chain, _h(3, 4))  # the top tier (2 blocks) evicts 1, 2; the bottom keeps all
+    assert chain.tallies["cpu"].evictions == 2 and chain.tallies["disk"].stores == 4
+    assert chain.lookup(_h(1, 2, 3, 4, 5)) == 4
+    spec = chain.prepare_load(_h(1, 2, 3, 4))
+    assert isinstance(spec, ChainSpec)
+    # The top tier misses block 1, so the whole run comes from the bottom tier.
+    assert [(name, part) for name, part, _ in spec.parts] == [("disk", _h(1, 2, 3, 4))]
+
+
+def test_split_follows_the_tiers_in_order() -> None:
+    chain = _chain(top=4)
+    _store(chain, _h(1, 2))
+    out = chain.tiers[1][1].prepare_store(_h(3))  # only the bottom tier holds 3
+    assert out is not None
+    chain.tiers[1][1].complete_store(out.block_hashes_to_store)
+    chain.resident[1].add(int_block_hash(3))
+    assert chain.lookup(_h(1, 2, 3)) == 3
+    spec = chain.prepare_load(_h(1, 2, 3))
+    assert isinstance(spec, ChainSpec)
+    assert [(name, part) for name, part, _ in spec.parts] == [("cpu", _h(1, 2)), ("disk", _h(3))]
+    assert chain.tallies["cpu"].hit_blocks == 2 and chain.tallies["disk"].hit_blocks == 1
+    chain.complete_load(_h(1, 2, 3))
+    # Served from the bottom: promoted into the top tier, so the next hit is local.
+    assert chain.tallies["cpu"].promotions == 1
+    assert chain.tiers[0][1].lookup(_h(1, 2, 3)) == 3
+
+
+def test_evicted_means_gone_from_every_tier() -> None:
+    chain = _chain(top=1, bottom=2)
+    _store(chain, _h(1))
+    out = chain.prepare_store(_h(2))
+    assert out is not None and out.block_hashes_evicted == []  # 1 is still at the bottom
+    chain.complete_store(out.block_hashes_to_store)
+    out = chain.prepare_store(_h(3))
+    assert out is not None and out.block_hashes_evicted == _h(1)
+    chain.complete_store(out.block_hashes_to_store)
+
+
+def test_failed_store_leaves_nothing_readable() -> None:
+    chain = _chain()
+    out = chain.prepare_store(_h(1))
+    assert out is not None
+    chain.complete_store(out.block_hashes_to_store, success=False)
+    assert chain.lookup(_h(1)) == 0
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match="distinct"):
+        TierChain([("a", CPUOffloadingManager(4, 2)), ("a", CPUOffloadingManager(4, 2))])
+    chain = _chain()
+    with pytest.raises(KeyError, match="no tier"):
+        chain.prepare_load(_h(9))
+    with pytest.raises(KeyError, match="no load in flight"):
+        chain.complete_load(_h(9))
