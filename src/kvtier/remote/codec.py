@@ -74,8 +74,24 @@ class BlockCodec:
         )
 
     def encode(self, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:
-        """Header and payload in one value (one copy of the payload, no more)."""
+        """Header and payload in one new value (one copy of the payload)."""
         return b"".join((self.header(block_hash, payload), payload))
+
+    def encode_into(
+        self, buffer: bytearray, block_hash: bytes, payload: bytes | bytearray | memoryview
+    ) -> memoryview:
+        """Header and payload in a reused buffer (at least HEADER_SIZE + len(payload) long).
+
+        Why: a fresh multi-MiB value per block costs page faults that dwarf the
+        copy itself; a warm buffer makes the envelope nearly free.
+        """
+        size = HEADER_SIZE + len(payload)
+        if len(buffer) < size:
+            raise ValueError(f"buffer of {len(buffer)} bytes cannot hold {size}")
+        view = memoryview(buffer)[:size]
+        view[:HEADER_SIZE] = self.header(block_hash, payload)
+        view[HEADER_SIZE:] = payload
+        return view
 
     def check_prefix(self, block_hash: bytes, prefix: bytes | None) -> DecodeStatus:
         """Verify what a lookup fetched (the header only): all but the checksum."""

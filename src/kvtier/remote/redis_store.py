@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+import redis
 import xxhash
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
@@ -74,6 +75,21 @@ class _Counters:
                 self.values[name] += delta
 
 
+class _ValueBuffers(threading.local):
+    """Per-thread reusable value buffers: stores never allocate per block once warm."""
+
+    def __init__(self) -> None:
+        self.buffers: list[bytearray] = []
+
+    def get(self, count: int, size: int) -> list[bytearray]:
+        buffers = self.buffers
+        for i, buffer in enumerate(buffers[:count]):
+            if len(buffer) < size:
+                buffers[i] = bytearray(size)  # a new one: views of the old may still live
+        buffers.extend(bytearray(size) for _ in range(count - len(buffers)))
+        return buffers[:count]
+
+
 _REFUSED = {
     DecodeStatus.CORRUPT: "corrupt_blocks",
     DecodeStatus.FOREIGN: "foreign_blocks",
@@ -97,6 +113,7 @@ class RedisBlockStore:
         self._counters = _Counters()
         self._base = f"{config.key_prefix}:{codec.fp_digest[:8].hex()}:".encode()
         self._namespaces: dict[str | None, bytes] = {}
+        self._buffers = _ValueBuffers()
 
     @classmethod
     def connect(
@@ -198,11 +215,19 @@ class RedisBlockStore:
         if not block_hashes:
             return True
         keys = self._keys(block_hashes, salt)
-        values = [self.codec.encode(h, p) for h, p in zip(block_hashes, payloads, strict=True)]
-        ok = self._guarded("store", lambda: self._pipeline_set(keys, values), False)
+        rows = [memoryview(p).cast("B") for p in payloads]
+        client = self.client
+        if isinstance(client, redis.Redis):
+            ok = self._guarded(
+                "store", lambda: self._send_sets(client, keys, block_hashes, rows), False
+            )
+        else:
+            ok = self._guarded(
+                "store", lambda: self._buffered_sets(keys, block_hashes, rows), False
+            )
         if ok:
-            nbytes = sum(len(v) for v in values) - HEADER_SIZE * len(values)
-            self._counters.add(stored_blocks=len(values), stored_bytes=nbytes)
+            nbytes = sum(len(row) for row in rows)
+            self._counters.add(stored_blocks=len(rows), stored_bytes=nbytes)
         return ok
 
     def load(
@@ -261,10 +286,50 @@ class RedisBlockStore:
             pipe.get(key)
         return pipe.execute()
 
-    def _pipeline_set(self, keys: list[bytes], values: list[bytes]) -> bool:
+    def _send_sets(
+        self,
+        client: redis.Redis,
+        keys: list[bytes],
+        block_hashes: Sequence[bytes],
+        rows: list[memoryview],
+    ) -> bool:
+        """One node: SETs written on the socket with the header and the caller's row as
+        separate chunks, so a store copies no payload at all (a pipeline would need the
+        value in one buffer). Any error drops the connection: replies may be unread.
+        """
+        ttl = self.config.ttl_s
+        suffix = b"\r\n" if ttl is None else b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl)
+        argc = b"*3\r\n$3\r\nSET\r\n$" if ttl is None else b"*5\r\n$3\r\nSET\r\n$"
+        chunks: list[bytes | memoryview] = []
+        separator = b""
+        for key, block_hash, row in zip(keys, block_hashes, rows, strict=True):
+            size = b"%d\r\n" % (HEADER_SIZE + len(row))
+            header = self.codec.header(block_hash, row)
+            key_part = b"%d\r\n%s\r\n$" % (len(key), key)
+            chunks += (b"".join((separator, argc, key_part, size, header)), row)
+            separator = suffix
+        chunks.append(separator)
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(chunks)  # type: ignore[no-untyped-call]
+            replies = [conn.read_response() for _ in keys]
+        except BaseException:
+            conn.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            pool.release(conn)
+        return all(reply in (b"OK", "OK", True) for reply in replies)
+
+    def _buffered_sets(
+        self, keys: list[bytes], block_hashes: Sequence[bytes], rows: list[memoryview]
+    ) -> bool:
+        """A cluster: a pipeline (routed per node) of values built in reused buffers."""
+        buffers = self._buffers.get(len(rows), max(map(len, rows)) + HEADER_SIZE)
+        encode = self.codec.encode_into
         pipe = self.client.pipeline(transaction=False)
-        for key, value in zip(keys, values, strict=True):
-            pipe.set(key, value, ex=self.config.ttl_s)
+        for key, buffer, block_hash, row in zip(keys, buffers, block_hashes, rows, strict=False):
+            pipe.set(key, encode(buffer, block_hash, row), ex=self.config.ttl_s)
         return all(pipe.execute())
 
     def _guarded(self, what: str, call: Callable[[], T], fallback: T) -> T:

@@ -1,0 +1,192 @@
+"""Remote tier bandwidth vs plain redis-py pipelined SET/GET, same bytes, same server, same run.
+
+    .venv/bin/python -m benchmarks.bench_redis [--quick]
+
+Starts its own redis-server on a free loopback port (no persistence). For 256 KiB
+and 2 MiB blocks, each round writes then reads the same blocks in jobs of
+`--batch` blocks, through:
+- `tier`: `RedisKVStore.write_blocks` / `read_blocks`, what the transfer worker
+  calls (header + xxh3 checksum on store; verification and the copy into the
+  destination row on load);
+- `plain`: `pipeline.set(...)` / `pipeline.get(...)` of the same payloads, nothing else.
+Sides alternate job by job (so both see the same background noise); the best
+repetition of each counts (the machine is shared and noisy).
+Target: tier >= 70% of plain in both directions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import redis
+
+from benchmarks.common import write_result
+from kvtier.remote.manager import RemoteLoadStoreSpec
+from kvtier.remote.tier import RemoteTier
+from kvtier.store.layout import KVLayout
+from kvtier.types import int_block_hash
+
+TARGET = 0.70
+
+
+@contextmanager
+def redis_server() -> Iterator[int]:
+    """A throwaway redis-server on a free loopback port; yields the port."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit(
+            "redis-server not found: apt-get install redis-server (or make redis-server)"
+        )
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    with tempfile.TemporaryDirectory() as workdir:
+        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir]
+        proc = subprocess.Popen(
+            [*cmd, "--appendonly", "no"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if "Ready to accept connections" in line:
+                    break
+            else:
+                raise SystemExit(f"redis-server failed to start on port {port}")
+            yield port
+        finally:
+            proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def layout_for(block_bytes: int) -> KVLayout:
+    """A layout whose blocks are exactly `block_bytes` (fp16, 8 heads x 128, 16 tokens)."""
+    per_layer_bytes = 2 * 16 * 8 * 128 * 2  # K and V planes of one layer
+    return KVLayout(
+        num_layers=block_bytes // per_layer_bytes,
+        num_kv_heads=8,
+        head_size=128,
+        block_size=16,
+        model_id="bench",
+        per_layer=False,
+    )
+
+
+def timed(fn: Callable[[int], None], job: int) -> float:
+    start = time.perf_counter()
+    fn(job)
+    return time.perf_counter() - start
+
+
+def bench_size(
+    port: int, block_bytes: int, num_blocks: int, batch: int, repeats: int
+) -> dict[str, Any]:
+    layout = layout_for(block_bytes)
+    assert layout.bytes_per_block == block_bytes
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)
+    sources = [memoryview(rows[i]) for i in range(num_blocks)]
+    dest = np.zeros_like(rows)
+    dests = [memoryview(dest[i]) for i in range(num_blocks)]
+    hashes = [int_block_hash(i) for i in range(num_blocks)]
+    batches = [range(i, min(i + batch, num_blocks)) for i in range(0, num_blocks, batch)]
+    url = f"redis://127.0.0.1:{port}/0"
+    tier = RemoteTier.from_url(url, layout, block_size=16, socket_timeout_s=30.0)
+    kv_store = tier.kv_store(layout)
+    specs = [RemoteLoadStoreSpec([hashes[i] for i in b]) for b in batches]
+    plain = redis.Redis(host="127.0.0.1", port=port)
+    plain_keys = [b"plain:" + h.hex().encode() for h in hashes]
+
+    def tier_store(n: int) -> None:
+        kv_store.write_blocks(specs[n], [sources[i] for i in batches[n]])
+
+    def tier_load(n: int) -> None:
+        kv_store.read_blocks(specs[n], [dests[i] for i in batches[n]])
+
+    def plain_store(n: int) -> None:
+        pipe = plain.pipeline(transaction=False)
+        for i in batches[n]:
+            pipe.set(plain_keys[i], sources[i])
+        pipe.execute()
+
+    def plain_load(n: int) -> None:
+        pipe = plain.pipeline(transaction=False)
+        for i in batches[n]:
+            pipe.get(plain_keys[i])
+        pipe.execute()
+
+    sides = {"tier": (tier_store, tier_load), "plain": (plain_store, plain_load)}
+    times: dict[str, list[float]] = {f"{s}_{d}": [] for s in sides for d in ("store", "load")}
+    for _ in range(repeats):
+        plain.flushall()
+        for direction in (0, 1):  # all stores, then all loads
+            spent = dict.fromkeys(sides, 0.0)
+            for n in range(len(batches)):
+                # alternate which side goes first, job by job: both see the same noise
+                for side in sorted(sides, reverse=n % 2 == 1):
+                    spent[side] += timed(sides[side][direction], n)
+            for side, seconds in spent.items():
+                times[f"{side}_{('store', 'load')[direction]}"].append(seconds)
+    assert np.array_equal(dest, rows), "tier load returned different bytes"
+    stats = tier.stats
+    assert stats.corrupt_blocks == stats.errors == 0
+    tier.close()
+    plain.close()
+    total = block_bytes * num_blocks
+    gbps = {k: total / min(v) / 1e9 for k, v in times.items()}
+    return {
+        "block_bytes": block_bytes,
+        "num_blocks": num_blocks,
+        "batch_blocks": batch,
+        "repeats": repeats,
+        "gb_per_s": gbps,
+        "median_gb_per_s": {k: total / float(np.median(v)) / 1e9 for k, v in times.items()},
+        "store_ratio": gbps["tier_store"] / gbps["plain_store"],
+        "load_ratio": gbps["tier_load"] / gbps["plain_load"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and bytes")
+    parser.add_argument("--batch", type=int, default=8, help="blocks per store/load job")
+    args = parser.parse_args()
+    repeats = 3 if args.quick else 9
+    total = (32 if args.quick else 128) << 20  # bytes moved per direction per repetition
+    results = []
+    with redis_server() as port:
+        for block_bytes in (256 << 10, 2 << 20):
+            results.append(bench_size(port, block_bytes, total // block_bytes, args.batch, repeats))
+    passed = all(min(r["store_ratio"], r["load_ratio"]) >= TARGET for r in results)
+    path = write_result(
+        "bench_redis",
+        {"target_ratio": TARGET, "passed": passed, "quick": args.quick, "sizes": results},
+    )
+    for r in results:
+        g = r["gb_per_s"]
+        print(
+            f"{r['block_bytes'] >> 10:>5} KiB blocks: store {g['tier_store']:.2f} vs "
+            f"{g['plain_store']:.2f} GB/s ({r['store_ratio']:.0%}), load {g['tier_load']:.2f} vs "
+            f"{g['plain_load']:.2f} GB/s ({r['load_ratio']:.0%})"
+        )
+    print(
+        f"target >= {TARGET:.0%} of plain redis-py: {'met' if passed else 'NOT met'}; wrote {path}"
+    )
+
+
+if __name__ == "__main__":
+    main()
