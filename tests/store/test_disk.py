@@ -80,6 +80,7 @@ def test_flipped_payload_byte_fails_the_load_drops_and_counts(tmp_path: Path) ->
     with pytest.raises(BlockLoadError, match="not stored"):
         read(store, 1)
     assert store.stats().missing == 1
+    assert store.take_dropped() == [int_block_hash(1)]
     assert read(store, 2) == payload(2)
 
 

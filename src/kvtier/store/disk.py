@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvtier.offload.abstract import LoadStoreSpec
+from kvtier.offload.disk import DiskOffloadingManager
 from kvtier.store.checksum import block_checksum, verify_checksum
 from kvtier.store.diskformat import (
     DIR_PREFIX,
@@ -309,6 +310,7 @@ class DiskStore:
     def _missing_error(self, block_hash: BlockHash) -> BlockLoadError:
         with self._lock:
             self._missing += 1
+            self._dropped.append(block_hash)  # the scheduler believes it is here: tell it
         return BlockLoadError(f"disk block {block_hash.hex()} is not stored")
 
     def _drop_corrupt(self, block_hash: BlockHash, why: str) -> BlockLoadError:
@@ -331,10 +333,21 @@ class DiskStore:
                 os.unlink(self.directory / file_name(block_hash))
 
     def take_dropped(self) -> list[BlockHash]:
-        """Hashes dropped as corrupt since the last call (for the scheduler to forget)."""
+        """Hashes found missing or corrupt since the last call (for the scheduler to forget)."""
         with self._lock:
             dropped, self._dropped = self._dropped, []
         return dropped
+
+    def manager(
+        self, block_size: int, cache_policy: str = "lru", enable_events: bool = False
+    ) -> DiskOffloadingManager:
+        """The scheduler-side manager of this directory: evictions delete files, and the
+        blocks recovered at open are registered (oldest first, so LRU evicts them first)."""
+        manager = DiskOffloadingManager(
+            block_size, self.capacity_blocks, cache_policy, enable_events, on_free=self.discard
+        )
+        self.discard(manager.adopt(self.recovered))  # what does not fit is deleted
+        return manager
 
     # --- BlockStore protocol and inspection --------------------------------
 

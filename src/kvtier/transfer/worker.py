@@ -69,7 +69,11 @@ class _Job(NamedTuple):
 class TransferWorker:
     """Threads and ordering around a `TransferHandler`; see the module docstring."""
 
-    def __init__(self, handler: TransferHandler, *, max_queued_jobs: int = 64) -> None:
+    def __init__(
+        self, handler: TransferHandler, *, max_queued_jobs: int = 64, ordered: bool = False
+    ) -> None:
+        """`ordered=True` runs loads and stores on one thread in submission order (the
+        cascade needs it: a demotion must run before any later job reuses its slots)."""
         if max_queued_jobs < 1:
             raise ValueError(f"max_queued_jobs must be >= 1, got {max_queued_jobs}")
         self.handler = handler
@@ -79,12 +83,16 @@ class TransferWorker:
         self._done: dict[int, TransferResult] = {}
         self._finished: list[TransferResult] = []
         self.errors: deque[tuple[int, str]] = deque(maxlen=256)
+        shared: queue.Queue[Any] = queue.Queue(maxsize=max_queued_jobs)
         self._queues: dict[str, queue.Queue[Any]] = {
-            d: queue.Queue(maxsize=max_queued_jobs) for d in (STORE, LOAD)
+            d: shared if ordered else queue.Queue(maxsize=max_queued_jobs) for d in (STORE, LOAD)
         }
+        served = [shared] if ordered else list(self._queues.values())
         self._threads = [
-            threading.Thread(target=self._serve, args=(d,), name=f"kvtier-{d}", daemon=True)
-            for d in (STORE, LOAD)
+            threading.Thread(
+                target=self._serve, args=(q,), name=f"kvtier-transfer-{i}", daemon=True
+            )
+            for i, q in enumerate(served)
         ]
         self._closed = False
         for thread in self._threads:
@@ -134,7 +142,7 @@ class TransferWorker:
             self._outstanding.add(job.job_id)
             self._order[direction].append(job.job_id)
         try:
-            self._queues[direction].put_nowait(job)
+            self._queues[direction].put_nowait((direction, job))
         except queue.Full:
             self.errors.append((job.job_id, f"{direction} queue full"))
             self._complete(direction, TransferResult(job.job_id, False, 0, 0.0))
@@ -161,8 +169,8 @@ class TransferWorker:
             if self._closed:
                 return
             self._closed = True
-        for direction in (STORE, LOAD):
-            self._queues[direction].put(_STOP)
+        for jobs in {id(q): q for q in self._queues.values()}.values():
+            jobs.put(_STOP)
         for thread in self._threads:
             thread.join()
 
@@ -174,9 +182,9 @@ class TransferWorker:
 
     # worker threads
 
-    def _serve(self, direction: str) -> None:
-        jobs = self._queues[direction]
-        while (job := jobs.get()) is not _STOP:
+    def _serve(self, jobs: queue.Queue[Any]) -> None:
+        while (item := jobs.get()) is not _STOP:
+            direction, job = item
             self._complete(direction, self._run(direction, job))
 
     def _run(self, direction: str, job: _Job) -> TransferResult:

@@ -1,0 +1,102 @@
+"""A miniature engine driving the cascade and its data plane the way a connector would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier.offload.cascade import CascadeOffloadingManager
+from kvtier.offload.filter import FilterReusedOffloadingManager
+from kvtier.offload.manager import CPUOffloadingManager
+from kvtier.store.disk import DiskStore
+from kvtier.store.layout import KVLayout
+from kvtier.store.memory import MemoryStore
+from kvtier.transfer.cascade import CascadeHandler
+from kvtier.transfer.worker import TransferWorker
+from kvtier.types import BlockHash
+from tests.transfer.helpers import block_bytes, random_kv
+
+NUM_DEVICE_BLOCKS = 64
+
+
+class Engine:
+    """Device blocks 0..31 hold computed KV; loads land in blocks 32..63."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        root: Path,
+        *,
+        cpu_blocks: int = 4,
+        disk_blocks: int = 16,
+        disk_writes: str = "demote",
+        promote: bool = True,
+        disk_filter: bool = False,
+    ) -> None:
+        self.kv = random_kv(layout, NUM_DEVICE_BLOCKS, seed=11)
+        self.memory = MemoryStore(layout, cpu_blocks, checksums=True)
+        self.disk_store = DiskStore(root, layout, DiskStore.capacity_for(layout, disk_blocks))
+        disk = self.disk_store.manager(layout.block_size, enable_events=True)
+        self.cascade = CascadeOffloadingManager(
+            CPUOffloadingManager(layout.block_size, cpu_blocks, enable_events=True),
+            FilterReusedOffloadingManager(disk) if disk_filter else disk,
+            disk_writes=disk_writes,  # type: ignore[arg-type]
+            promote=promote,
+            enable_events=True,
+        )
+        self.handler = CascadeHandler(self.kv, self.memory, self.disk_store)
+        self.worker = TransferWorker(self.handler, ordered=True)
+        self.expected: dict[BlockHash, bytes] = {}
+        self._jobs: dict[int, tuple[str, list[BlockHash]]] = {}
+        self._next_job = 0
+        self._next_target = 32
+
+    def store(self, hashes: list[BlockHash], device_ids: list[int]) -> list[BlockHash]:
+        """prepare_store + submit; returns the hashes being stored."""
+        out = self.cascade.prepare_store(hashes)
+        assert out is not None
+        source = dict(zip(hashes, device_ids, strict=True))
+        ids = [source[h] for h in out.block_hashes_to_store]
+        for block_hash, device_id in zip(out.block_hashes_to_store, ids, strict=True):
+            self.expected[block_hash] = block_bytes(self.kv, device_id)
+        self._submit("store", out.block_hashes_to_store, ids, out.store_spec)
+        return out.block_hashes_to_store
+
+    def load(self, hashes: list[BlockHash]) -> list[int]:
+        """prepare_load + submit into fresh device blocks; returns their ids."""
+        spec = self.cascade.prepare_load(hashes)
+        targets = [self._fresh() for _ in hashes]
+        self._submit("load", hashes, targets, spec)
+        return targets
+
+    def _fresh(self) -> int:
+        target = self._next_target
+        self._next_target = 32 + (self._next_target - 31) % 32
+        return target
+
+    def _submit(self, kind: str, hashes: list[BlockHash], ids: list[int], spec: object) -> None:
+        job = self._next_job
+        self._next_job += 1
+        self._jobs[job] = (kind, hashes)
+        if kind == "store":
+            self.worker.submit_store(job, ids, spec)  # type: ignore[arg-type]
+        else:
+            self.worker.submit_load(job, spec, ids)  # type: ignore[arg-type]
+
+    def finish(self) -> dict[str, int]:
+        """Wait for every job and complete it in the cascade; count outcomes."""
+        self.worker.wait(list(self._jobs))
+        outcome = {"ok": 0, "failed": 0}
+        for job_id, ok, _, _ in self.worker.get_finished():
+            kind, hashes = self._jobs.pop(job_id)
+            if kind == "store":
+                self.cascade.complete_store(hashes, ok)
+            else:
+                self.cascade.complete_load(hashes, ok)
+            outcome["ok" if ok else "failed"] += 1
+        lost = self.handler.take_lost()
+        if lost:
+            self.cascade.discard_disk_blocks(lost)
+        return outcome
+
+    def close(self) -> None:
+        self.worker.close()

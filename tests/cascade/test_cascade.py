@@ -1,0 +1,144 @@
+"""The CPU -> disk cascade with real bytes: round trips, demotion order, corruption, restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.offload.cascade import CascadeLoadSpec, CascadeStoreSpec
+from kvtier.store.diskformat import file_name
+from kvtier.store.layout import KVLayout
+from kvtier.types import BlockHash, int_block_hash
+from tests.cascade.engine import Engine
+from tests.transfer.helpers import LAYOUTS, PER_LAYER, block_bytes
+
+
+def hs(*ids: int) -> list[BlockHash]:
+    return [int_block_hash(i) for i in ids]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["per_layer", "cross_layer"])
+@pytest.mark.parametrize("disk_writes", ["demote", "write_through"])
+def test_round_trip_through_both_tiers(layout: KVLayout, disk_writes: str, tmp_path: Path) -> None:
+    engine = Engine(layout, tmp_path, disk_writes=disk_writes)
+    try:
+        for job in range(6):  # 12 blocks through a 4-block CPU tier, jobs in flight together
+            engine.store(hs(2 * job, 2 * job + 1), [2 * job, 2 * job + 1])
+        assert engine.finish() == {"ok": 6, "failed": 0}
+        assert engine.cascade.lookup(hs(*range(12))) == 12
+        targets: list[int] = []
+        for job in range(3):
+            hashes = hs(*range(4 * job, 4 * job + 4))
+            targets += engine.load(hashes)
+        assert engine.finish() == {"ok": 3, "failed": 0}
+        for block, target in enumerate(targets):
+            assert block_bytes(engine.kv, target) == engine.expected[int_block_hash(block)]
+        events = list(engine.cascade.take_events())
+        assert {e.medium for e in events} == {"CPU", "DISK"}
+    finally:
+        engine.close()
+
+
+def test_demotion_moves_evicted_blocks_and_events_say_which_tier(tmp_path: Path) -> None:
+    engine = Engine(PER_LAYER, tmp_path, cpu_blocks=2)
+    try:
+        engine.store(hs(1, 2), [1, 2])
+        engine.finish()
+        engine.cascade.touch(hs(1, 2))  # a request used the prefix: its head is most recent
+        out = engine.cascade.prepare_store(hs(3))
+        assert out is not None and out.block_hashes_evicted == []  # demoted, not lost
+        spec = out.store_spec
+        assert isinstance(spec, CascadeStoreSpec) and spec.demotion is not None
+        assert spec.demotion.block_hashes == hs(2)  # the tail of the prefix goes first
+        events = [(e.medium, e.removed, e.block_hashes) for e in engine.cascade.take_events()]
+        assert events == [
+            ("CPU", False, hs(1, 2)),
+            ("CPU", True, hs(2)),
+            ("DISK", False, hs(2)),
+        ]
+        assert engine.cascade.lookup(hs(1, 2, 3)) == 2  # 3 is in flight; 2 readable on disk
+    finally:
+        engine.close()
+
+
+def test_a_load_submitted_before_the_demoting_store_reads_the_old_slot(tmp_path: Path) -> None:
+    engine = Engine(PER_LAYER, tmp_path, cpu_blocks=2, promote=False)
+    try:
+        engine.store(hs(1, 2), [1, 2])
+        engine.finish()
+        engine.cascade.touch(hs(1, 2))
+        out = engine.cascade.prepare_store(hs(3))  # evicts 2 into a demotion
+        assert out is not None
+        spec = engine.cascade.prepare_load(hs(2))
+        assert isinstance(spec, CascadeLoadSpec) and spec.demoting  # not on disk yet
+        engine.expected[int_block_hash(3)] = block_bytes(engine.kv, 3)
+        engine._submit("load", hs(2), [40], spec)  # before the store that reuses 2's slot
+        engine._submit("store", hs(3), [3], out.store_spec)
+        assert engine.finish() == {"ok": 2, "failed": 0}
+        assert block_bytes(engine.kv, 40) == engine.expected[int_block_hash(2)]
+        target = engine.load(hs(2))[0]  # now from disk
+        engine.finish()
+        assert block_bytes(engine.kv, target) == engine.expected[int_block_hash(2)]
+    finally:
+        engine.close()
+
+
+def test_disk_hits_are_promoted_back_into_cpu(tmp_path: Path) -> None:
+    engine = Engine(PER_LAYER, tmp_path, cpu_blocks=2)
+    try:
+        engine.store(hs(1, 2), [1, 2])
+        engine.finish()
+        engine.store(hs(3, 4), [3, 4])  # demotes 1 and 2
+        engine.finish()
+        spec = engine.cascade.prepare_load(hs(1, 2))
+        assert isinstance(spec, CascadeLoadSpec)
+        assert spec.disk_positions == [0, 1] and spec.promotion_positions == [0, 1]
+        assert spec.demotion is not None and sorted(spec.demotion.block_hashes) == hs(3, 4)
+        engine._submit("load", hs(1, 2), [50, 51], spec)
+        assert engine.finish() == {"ok": 1, "failed": 0}
+        again = engine.cascade.prepare_load(hs(1, 2))
+        assert isinstance(again, CascadeLoadSpec) and again.cpu_positions == [0, 1]
+        engine._submit("load", hs(1, 2), [52, 53], again)
+        engine.finish()
+        assert block_bytes(engine.kv, 52) == engine.expected[int_block_hash(1)]
+        assert block_bytes(engine.kv, 53) == engine.expected[int_block_hash(2)]
+    finally:
+        engine.close()
+
+
+def test_a_corrupt_disk_block_fails_its_load_and_is_forgotten(tmp_path: Path) -> None:
+    engine = Engine(PER_LAYER, tmp_path, cpu_blocks=2, promote=False)
+    try:
+        engine.store(hs(1, 2), [1, 2])
+        engine.finish()
+        engine.store(hs(3, 4), [3, 4])  # demotes 1 and 2
+        engine.finish()
+        path = engine.disk_store.directory / file_name(int_block_hash(2))
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+        assert engine.cascade.lookup(hs(1, 2, 3, 4)) == 4
+        engine.load(hs(1, 2))
+        assert engine.finish() == {"ok": 0, "failed": 1}
+        assert engine.disk_store.stats().checksum_failures == 1
+        assert engine.cascade.lookup(hs(1, 2, 3, 4)) == 1  # 2 forgotten: the prefix stops
+    finally:
+        engine.close()
+
+
+def test_restart_recovers_the_disk_tier(tmp_path: Path) -> None:
+    engine = Engine(PER_LAYER, tmp_path, cpu_blocks=2, disk_writes="write_through")
+    engine.store(hs(1, 2, 3), [1, 2, 3])
+    engine.finish()
+    engine.close()
+    restarted = Engine(PER_LAYER, tmp_path, cpu_blocks=2)
+    try:
+        assert restarted.disk_store.stats().recovered == 3
+        assert restarted.cascade.lookup(hs(1, 2, 3)) == 3
+        targets = restarted.load(hs(1, 2, 3))
+        assert restarted.finish() == {"ok": 1, "failed": 0}
+        for block, target in zip((1, 2, 3), targets, strict=True):
+            assert block_bytes(restarted.kv, target) == engine.expected[int_block_hash(block)]
+    finally:
+        restarted.close()
