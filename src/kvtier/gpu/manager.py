@@ -109,15 +109,16 @@ class KVCacheManager:
                 num_window_blocks(self.sliding_window, block_size),
                 self.block_pool.null_block,
             )
+        num_hit_tokens = len(blocks) * block_size
         if self.log_stats:
             self.prefix_cache_stats.record(
                 request.num_tokens,
                 len(hashes),
                 len(blocks),
-                block_size,
-                preempted=request.num_preemptions > 0,
+                num_hit_tokens,
+                request.num_preemptions,
             )
-        return blocks, len(blocks) * block_size
+        return blocks, num_hit_tokens
 
     # --- allocation -----------------------------------------------------------------
 
@@ -137,25 +138,28 @@ class KVCacheManager:
         request_id = request.request_id
         if request_id in self._req_blocks:
             raise ValueError(f"request {request_id!r} already has blocks; use append_slots")
-        computed = list(computed_blocks) if computed_blocks else []
-        num_computed_tokens = len(computed) * self.block_size + num_tokens
+        blocks = list(computed_blocks) if computed_blocks else []
+        num_computed = len(blocks)
+        num_computed_tokens = num_computed * self.block_size + num_tokens
         self._check_length(request, num_computed_tokens)
-        num_reused_free = self._check_computed_blocks(request, computed)
+        num_reused_free = self._check_computed_blocks(request, blocks)
         pool = self.block_pool
-        num_required = _cdiv(num_computed_tokens, self.block_size) - len(computed)
-        if num_required > pool.get_num_free_blocks() - num_reused_free:
+        free_queue = pool.free_block_queue
+        num_required = -(-num_computed_tokens // self.block_size) - num_computed
+        if num_required > free_queue.num_free_blocks - num_reused_free:
             return None
-        pool.touch(computed)
+        if num_computed:
+            pool.touch(blocks)
         num_new = min(
             num_required + self.num_preallocate_blocks,
-            pool.get_num_free_blocks(),
-            self.max_num_blocks_per_req - len(computed),
+            free_queue.num_free_blocks,
+            self.max_num_blocks_per_req - num_computed,
         )
         new_blocks = pool.get_new_blocks(num_new)
-        blocks = computed + new_blocks
+        blocks += new_blocks
         self._req_blocks[request_id] = blocks
         request.num_computed_tokens = num_computed_tokens
-        self._num_cached_blocks[request_id] = len(computed)
+        self._num_cached_blocks[request_id] = num_computed
         self._cache_full_blocks(request, blocks)
         return new_blocks
 
@@ -196,8 +200,10 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a finished request's blocks, tail first (its end is evicted first)."""
-        blocks = self._blocks_of(request.request_id)
-        del self._req_blocks[request.request_id]
+        blocks = self._req_blocks.pop(request.request_id, None)
+        if blocks is None:
+            self._blocks_of(request.request_id)  # raises the KeyError with context
+            return
         del self._num_cached_blocks[request.request_id]
         self.block_pool.free_blocks(reversed(blocks))
 

@@ -23,15 +23,15 @@ class PrefixCacheStats:
     preempted_hit_tokens: int = 0
 
     def record(
-        self, num_tokens: int, num_blocks: int, hit_blocks: int, block_size: int, preempted: bool
+        self, num_tokens: int, num_blocks: int, hit_blocks: int, hit_tokens: int, preemptions: int
     ) -> None:
-        hit_tokens = hit_blocks * block_size
+        """One lookup; a request preempted before is also counted on its own."""
         self.requests += 1
         self.queried_tokens += num_tokens
         self.hit_tokens += hit_tokens
         self.queried_blocks += num_blocks
         self.hit_blocks += hit_blocks
-        if preempted:
+        if preemptions:
             self.preempted_requests += 1
             self.preempted_queried_tokens += num_tokens
             self.preempted_hit_tokens += hit_tokens
