@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,3 +153,51 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisServer]]:
+    """Three masters, all 16384 slots assigned by `redis-cli --cluster create`."""
+    require_redis()
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-cli not found in CI (it ships with redis-server)")
+        pytest.skip("redis-cli not found")
+    nodes = []
+    try:
+        for i in range(3):
+            workdir = tmp_path_factory.mktemp(f"cluster-node-{i}")
+            node = RedisServer(workdir, None, "--cluster-enabled", "yes")
+            node.start()
+            nodes.append(node)
+        addresses = [f"127.0.0.1:{n.port}" for n in nodes]
+        subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        _await_cluster_ok(nodes)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def _await_cluster_ok(nodes: list[RedisServer], deadline_s: float = 30.0) -> None:
+    """Poll until every node reports cluster_state:ok (gossip settles after `create`).
+
+    The one wait in this suite: readiness of external processes that offer no
+    event to block on. It polls a condition with a deadline; nothing is timed.
+    """
+    clients = [n.client() for n in nodes]
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not all(c.cluster("INFO")["cluster_state"] == "ok" for c in clients):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test cluster never reached cluster_state:ok")
+            threading.Event().wait(0.05)
+    finally:
+        for client in clients:
+            client.close()

@@ -112,7 +112,7 @@ def make_client(config: RemoteConfig) -> RedisClient:
             ClusterNode(*_parse_node(n))  # type: ignore[no-untyped-call]
             for n in config.all_cluster_nodes()
         ]
-        return RedisCluster(startup_nodes=nodes, cluster_error_retry_attempts=1, **kwargs)
+        return RedisCluster(startup_nodes=nodes, **kwargs)
     parts = urlsplit(config.url)
     db = parts.path.strip("/") or "0"
     if not db.isdigit():

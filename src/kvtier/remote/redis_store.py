@@ -350,6 +350,7 @@ class RedisBlockStore:
         self.breaker.record_failure()
         opened = not was_open and self.breaker.state is BreakerState.OPEN
         self._counters.add(errors=1, breaker_opened=int(opened))
+        log.debug("remote tier %s: %s failed: %r", self._where(), what, exc)
         if opened:
             log.warning(
                 "remote tier %s: %s failed (%s); skipping it for now", self._where(), what, exc
