@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,13 +32,41 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_tls_files(directory: Path) -> TLSFiles:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI)."""
+    files = TLSFiles(directory / "ca.pem", directory / "server.pem", directory / "server.key")
+    ca_key = directory / "ca.key"
+    ca, cert, key, csr = (str(f) for f in (files.ca, files.cert, files.key, directory / "s.csr"))
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    commands = [
+        f"req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=kvtier-ca -keyout {ca_key} -out {ca}",
+        f"req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout {key} -out {csr}",
+        f"x509 -req -in {csr} -CA {ca} -CAkey {ca_key} -CAcreateserial -days 2 "
+        f"-extfile {ext} -out {cert}",
+    ]
+    for command in commands:  # temp paths have no spaces
+        subprocess.run(["openssl", *command.split()], check=True, capture_output=True, timeout=60)
+    return files
+
+
 class RedisServer:
     """One redis-server process that can be killed, paused and restarted in place."""
 
-    def __init__(self, workdir: Path, password: str | None = None, *args: str) -> None:
+    def __init__(
+        self, workdir: Path, password: str | None = None, *args: str, tls: TLSFiles | None = None
+    ) -> None:
         self.workdir = workdir
         self.password = password
         self.args = args
+        self.tls = tls
         self.port = free_port()
         self.proc: subprocess.Popen[str] | None = None
         self._drainer: threading.Thread | None = None
@@ -46,7 +75,8 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         """Start (or restart on the same port); a first start retries on another free port."""
@@ -63,6 +93,10 @@ class RedisServer:
         """Run the server; None once it accepts connections, else its log."""
         assert REDIS_BIN is not None
         cmd = [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1"]
+        if self.tls:
+            cmd[1:3] = ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"]
+            cmd += ["--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key)]
+            cmd += ["--tls-ca-cert-file", str(self.tls.ca)]
         cmd += ["--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
         if self.password:
             cmd += ["--requirepass", self.password]
@@ -135,6 +169,26 @@ def _serve(tmp_path: Path, password: str | None = None, *args: str) -> Iterator[
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     yield from _serve(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    if shutil.which("openssl") is None:
+        if os.environ.get("CI"):
+            pytest.fail("openssl not found in CI (needed to make test certificates)")
+        pytest.skip("openssl not found")
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture
+def redis_server_tls(tmp_path: Path, tls_files: TLSFiles) -> Iterator[RedisServer]:
+    require_redis()
+    server = RedisServer(tmp_path, None, tls=tls_files)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ recompute, never a wrong answer.
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -150,6 +151,11 @@ class RedisBlockStore:
                 raise _auth_error(self.config, exc) from exc
             return self._failed("ping", exc)
         except (RedisError, OSError) as exc:
+            if _tls_failure(exc):
+                raise RemoteStartupError(
+                    f"TLS handshake with remote tier {self._where()} failed ({exc}); "
+                    "check RemoteConfig.ssl_ca_certs and the server certificate"
+                ) from exc
             log.warning("remote tier %s unreachable at start-up: %s", self._where(), exc)
             return self._failed("ping", exc)
         return True
@@ -359,6 +365,15 @@ class RedisBlockStore:
 
     def _where(self) -> str:
         return self.config.redacted_url()
+
+
+def _tls_failure(exc: BaseException | None) -> bool:
+    """Is a certificate problem anywhere in the chain? (a config error, like a bad password)"""
+    while exc is not None:
+        if isinstance(exc, ssl.SSLError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _auth_error(config: RemoteConfig, exc: BaseException) -> RemoteStartupError:
