@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvtier.remote.codec import BlockCodec
 from kvtier.remote.config import RemoteConfig
 from kvtier.remote.redis_store import RedisBlockStore, RemoteStartupError
 from kvtier.types import int_block_hash
-from tests.remote.conftest import FakeClock, RedisServer
+from tests.remote.conftest import FakeClock, RedisServer, require_redis
 
 FP = "model=tiny|dtype=fp16|layout=contiguous|block=16|hash=sha256_cbor|format=1"
 HASHES = [int_block_hash(i) for i in range(8)]
@@ -123,3 +125,33 @@ def test_password_server(redis_server_with_password: RedisServer) -> None:
         RedisBlockStore.connect(missing, FP)
     override = RemoteConfig(url=f"redis://:nope@127.0.0.1:{server.port}/0", password="s3cret-pw")
     assert RedisBlockStore.connect(override, FP).count_prefix(HASHES) == 1
+
+
+def test_lookup_without_server_scripting_falls_back_to_pipelines(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    require_redis()
+    server = RedisServer(
+        tmp_path, None, "--rename-command", "EVALSHA", "", "--rename-command", "EVAL", ""
+    )
+    server.start()
+    try:
+        store = connect(server)
+        store.store(HASHES, PAYLOADS)
+        client = server.client()
+        client.delete(store.key(HASHES[5]))
+        assert store.count_prefix(HASHES) == 5  # the script is refused, the pipeline answers
+        assert store.count_prefix(HASHES) == 5 and store.stats.errors == 0
+        assert [r.message for r in caplog.records if "script refused" in r.message] != []
+        client.close()
+    finally:
+        server.kill()
+
+
+def test_single_block_and_scripted_lookups_agree_on_refusals(redis_server: RedisServer) -> None:
+    store = connect(redis_server)
+    foreign = BlockCodec.for_fingerprint("model=other")
+    redis_server.client().set(store.key(HASHES[0]), foreign.encode(HASHES[0], b"x"))
+    assert store.count_prefix(HASHES[:1]) == 0  # one key: pipelined
+    assert store.count_prefix(HASHES) == 0  # several: scripted
+    assert store.stats.foreign_blocks == 2

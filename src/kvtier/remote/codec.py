@@ -93,6 +93,16 @@ class BlockCodec:
         view[HEADER_SIZE:] = payload
         return view
 
+    def expected_prefix(self, block_hash: bytes) -> bytes:
+        """The first 32 header bytes a valid value for `block_hash` must start with.
+
+        A server-side lookup compares against these, so it needs no checksum and
+        no knowledge of the format beyond "these bytes, exactly".
+        """
+        return _PREFIX.pack(
+            MAGIC, FORMAT_VERSION, HEADER_SIZE, self.fp_digest, block_digest(block_hash)
+        )
+
     def check_prefix(self, block_hash: bytes, prefix: bytes | None) -> DecodeStatus:
         """Verify what a lookup fetched (the header only): all but the checksum."""
         if prefix is None or len(prefix) < HEADER_SIZE:

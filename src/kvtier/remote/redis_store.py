@@ -23,10 +23,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any, TypeVar
 
 import redis
 import xxhash
+from redis.commands.core import Script
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from kvtier.remote.breaker import BreakerState, CircuitBreaker
@@ -76,6 +78,20 @@ class _Counters:
                 self.values[name] += delta
 
 
+# Walk the keys in order and stop at the first whose header does not start with
+# the expected 32 bytes (absent keys read as ''); return that count and the
+# stopper's header so the client can say why it was refused.
+_PREFIX_LUA = """
+for i, key in ipairs(KEYS) do
+  local header = redis.call('GETRANGE', key, 0, 47)
+  if string.sub(header, 1, 32) ~= ARGV[i] then
+    return {i - 1, header}
+  end
+end
+return {#KEYS, ''}
+"""
+
+
 class _ValueBuffers(threading.local):
     """Per-thread reusable value buffers: stores never allocate per block once warm."""
 
@@ -115,6 +131,9 @@ class RedisBlockStore:
         self._base = f"{config.key_prefix}:{codec.fp_digest[:8].hex()}:".encode()
         self._namespaces: dict[str | None, bytes] = {}
         self._buffers = _ValueBuffers()
+        self._prefix_script: Script | None = (
+            client.register_script(_PREFIX_LUA) if isinstance(client, redis.Redis) else None
+        )
 
     @classmethod
     def connect(
@@ -193,19 +212,19 @@ class RedisBlockStore:
         if not block_hashes:
             return 0
         keys = self._keys(block_hashes, salt)
-        prefixes = self._guarded("lookup", lambda: self._pipeline_getrange(keys), None)
-        if prefixes is None:
+        script = self._prefix_script
+        if script is not None and len(keys) > 1:
+            call = partial(self._scripted_prefix, script, keys, block_hashes)
+        else:
+            call = partial(self._pipelined_prefix, keys, block_hashes)
+        found: tuple[int, bytes] | None = self._guarded("lookup", call, None)
+        if found is None:
             self._counters.add(lookups=1)
             return 0
-        num_hits = 0
-        for block_hash, prefix in zip(block_hashes, prefixes, strict=True):
-            if not prefix:
-                break
-            status = self.codec.check_prefix(block_hash, prefix)
-            if status is not DecodeStatus.OK:
-                self._counters.add(**{_REFUSED[status]: 1})
-                break
-            num_hits += 1
+        num_hits, stopper = found
+        if stopper:  # present but refused: say why
+            status = self.codec.check_prefix(block_hashes[num_hits], stopper)
+            self._counters.add(**{_REFUSED.get(status, "malformed_blocks"): 1})
         self._counters.add(lookups=1, lookup_hit_blocks=num_hits)
         return num_hits
 
@@ -280,11 +299,39 @@ class RedisBlockStore:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _pipeline_getrange(self, keys: list[bytes]) -> list[Any]:
+    def _pipelined_prefix(
+        self, keys: list[bytes], block_hashes: Sequence[bytes]
+    ) -> tuple[int, bytes]:
+        """(leading valid blocks, header of the refused block that stopped them or b"")."""
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.getrange(key, 0, HEADER_SIZE - 1)
-        return pipe.execute()
+        check = self.codec.check_prefix
+        for i, (block_hash, prefix) in enumerate(zip(block_hashes, pipe.execute(), strict=True)):
+            if not prefix:
+                return i, b""
+            if check(block_hash, prefix) is not DecodeStatus.OK:
+                return i, prefix
+        return len(keys), b""
+
+    def _scripted_prefix(
+        self, script: Script, keys: list[bytes], block_hashes: Sequence[bytes]
+    ) -> tuple[int, bytes]:
+        """The same walk inside Redis: one command, one integer back, not N replies.
+
+        Single node only (a cluster would refuse keys of several slots). A server
+        without scripting falls back to the pipeline for good.
+        """
+        expected = [self.codec.expected_prefix(h) for h in block_hashes]
+        try:
+            num_hits, stopper = script(keys=keys, args=expected)
+        except ResponseError as exc:
+            log.warning(
+                "remote tier %s: lookup script refused (%s); pipelining", self._where(), exc
+            )
+            self._prefix_script = None
+            return self._pipelined_prefix(keys, block_hashes)
+        return int(num_hits), bytes(stopper)
 
     def _pipeline_get(self, keys: list[bytes]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
