@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import redis
 import xxhash
 from redis.commands.core import Script
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import AuthenticationError, OutOfMemoryError, RedisError, ResponseError
 
 from kvtier.remote.breaker import BreakerState, CircuitBreaker
 from kvtier.remote.codec import HEADER_SIZE, BlockCodec, DecodeStatus
@@ -392,6 +392,13 @@ class RedisBlockStore:
             return fallback
         try:
             result = call()
+        except OutOfMemoryError as exc:
+            # Full under a noeviction policy: the server is healthy and lookups
+            # still hit, so this fails the call without tripping the breaker.
+            log.debug("remote tier %s: %s refused, server full: %s", self._where(), what, exc)
+            self._counters.add(errors=1)
+            self.breaker.record_success()
+            return fallback
         except (RedisError, OSError) as exc:
             self._failed(what, exc)
             return fallback
