@@ -160,6 +160,43 @@ def bench_size(
     }
 
 
+def bench_lookup(port: int, prefix_blocks: int, repeats: int) -> dict[str, Any]:
+    """Per-block cost of a prefix lookup (one round trip) vs plain pipelined EXISTS.
+
+    Not a target, a profile: the lookup runs on the scheduler's thread. The plain
+    side only asks "does each key exist" (no header check, no stop at a hole).
+    """
+    url = f"redis://127.0.0.1:{port}/0"
+    tier = RemoteTier.from_url(url, "bench-lookup", block_size=16, socket_timeout_s=30.0)
+    hashes = [int_block_hash(10**6 + i) for i in range(prefix_blocks)]
+    tier.store.store(hashes, [b"\0" * 64] * prefix_blocks)
+    plain = redis.Redis(host="127.0.0.1", port=port)
+    keys = [tier.store.key(h) for h in hashes]
+
+    def plain_exists() -> None:
+        pipe = plain.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        pipe.execute()
+
+    best = {"tier": float("inf"), "plain": float("inf")}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        hits = tier.store.count_prefix(hashes)
+        best["tier"] = min(best["tier"], time.perf_counter() - start)
+        start = time.perf_counter()
+        plain_exists()
+        best["plain"] = min(best["plain"], time.perf_counter() - start)
+        assert hits == prefix_blocks
+    tier.close()
+    plain.close()
+    return {
+        "prefix_blocks": prefix_blocks,
+        "us_per_lookup": {k: v * 1e6 for k, v in best.items()},
+        "us_per_block": {k: v * 1e6 / prefix_blocks for k, v in best.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and bytes")
@@ -171,10 +208,17 @@ def main() -> None:
     with redis_server() as port:
         for block_bytes in (256 << 10, 2 << 20):
             results.append(bench_size(port, block_bytes, total // block_bytes, args.batch, repeats))
+        lookups = [bench_lookup(port, n, 10 * repeats) for n in (16, 256)]
     passed = all(min(r["store_ratio"], r["load_ratio"]) >= TARGET for r in results)
     path = write_result(
         "bench_redis",
-        {"target_ratio": TARGET, "passed": passed, "quick": args.quick, "sizes": results},
+        {
+            "target_ratio": TARGET,
+            "passed": passed,
+            "quick": args.quick,
+            "sizes": results,
+            "lookups": lookups,
+        },
     )
     for r in results:
         g = r["gb_per_s"]
@@ -182,6 +226,12 @@ def main() -> None:
             f"{r['block_bytes'] >> 10:>5} KiB blocks: store {g['tier_store']:.2f} vs "
             f"{g['plain_store']:.2f} GB/s ({r['store_ratio']:.0%}), load {g['tier_load']:.2f} vs "
             f"{g['plain_load']:.2f} GB/s ({r['load_ratio']:.0%})"
+        )
+    for lk in lookups:
+        us = lk["us_per_block"]
+        print(
+            f"lookup of {lk['prefix_blocks']} blocks: {us['tier']:.1f} us/block "
+            f"(plain pipelined EXISTS {us['plain']:.1f} us/block)"
         )
     print(
         f"target >= {TARGET:.0%} of plain redis-py: {'met' if passed else 'NOT met'}; wrote {path}"
