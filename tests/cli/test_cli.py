@@ -132,6 +132,15 @@ def test_replay_table_shows_tiers(capsys: pytest.CaptureFixture[str]) -> None:
     assert "per tier" in out and "gpu" in out and "cpu" in out
 
 
-def test_pending_tiers_are_refused_clearly(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["replay", "--limit", "10", "--data"]) == 2
-    assert "--data" in capsys.readouterr().err
+def test_data_replay_reports_bytes_and_no_checksum_failures(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["replay", "--json", "--limit", "150", "--cpu-blocks", "300", "--policy", "lru"]
+    doc = _json(capsys, *argv, "--data")
+    (cpu,) = doc["results"][0]["tiers"].values()  # type: ignore[index]
+    assert cpu["bytes_stored"] > 0 and cpu["bytes_loaded"] > 0 and cpu["checksum_failures"] == 0
+
+
+def test_data_with_bookkeeping_only_tiers_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--limit", "10", "--data", "--concurrent"]) == 2
+    assert "data=True" in capsys.readouterr().err

@@ -71,3 +71,12 @@ def test_remote_tier_behind_the_accelerator(redis_url: str) -> None:
     assert [t.name for t in r.tiers] == ["gpu", "cpu", "remote"]
     assert sum(t.hit_blocks for t in r.tiers) == r.prefix_hit_blocks
     assert r.tiers[2].hit_blocks > 0
+
+
+def test_cpu_disk_and_remote(redis_url: str) -> None:
+    workload = generate_workload(GeneratorConfig(num_requests=150), seed=4)
+    config = ReplayConfig("lru", cpu_blocks=30, disk_blocks=200, redis_url=redis_url)
+    r = replay(workload, config)
+    assert [t.name for t in r.tiers] == ["cpu", "disk", "remote"]
+    assert sum(t.hit_blocks for t in r.tiers) == r.prefix_hit_blocks
+    assert r.tiers[1].hit_blocks > 0 and r.tiers[2].hit_blocks > 0

@@ -14,9 +14,6 @@ from kvtier.sim.session import open_workload, parse_policies, run_replays
 
 
 def config_from_args(args: argparse.Namespace) -> ReplayConfig:
-    for flag, value in (("--disk-blocks", args.disk_blocks), ("--data", args.data)):
-        if value:
-            raise ValueError(f"{flag} is not wired into the replay yet (data plane pending)")
     return ReplayConfig(
         gpu_blocks=args.gpu_blocks,
         cpu_blocks=args.cpu_blocks,
@@ -24,6 +21,8 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
         store_threshold=args.store_threshold,
         time_model=TimeModel() if args.concurrent else None,
         store_on=args.store_on,
+        disk_blocks=args.disk_blocks,
+        data=args.data,
         redis_url=args.redis,
         redis_namespace=args.redis_namespace,
     )

@@ -45,10 +45,14 @@ class ReplayConfig:
     # With an accelerator tier: store blocks to the CPU tier once computed (vLLM)
     # or only when the accelerator evicts them.
     store_on: StoreOn = "compute"
+    # A local disk tier below the CPU tier (the cascade: demotion on CPU eviction).
+    disk_blocks: int = 0
     # A shared Redis tier below the CPU tier (write-through, promotion on load).
     redis_url: str | None = None
     # Key namespace in Redis; None: a fresh one per replay (runs never share blocks).
     redis_namespace: str | None = None
+    # Move real bytes through the data plane (CPU tier) and verify every load.
+    data: bool = False
     # Placeholder bytes written per block without a data plane (Redis memory and
     # traffic then behave as with real blocks of that size).
     remote_payload_bytes: int = 256
@@ -62,6 +66,15 @@ class ReplayConfig:
             raise ValueError(f"cpu_frac must be in (0, 1], got {self.cpu_frac}")
         if self.store_on not in ("compute", "evict"):
             raise ValueError(f"store_on must be 'compute' or 'evict', got {self.store_on!r}")
+        if self.data and (self.disk_blocks or self.redis_url or self.time_model):
+            raise ValueError(
+                "data=True moves bytes for the CPU (and GPU) tiers of a sequential replay "
+                "only; disk, Redis and the concurrency model run bookkeeping-only"
+            )
+        if self.data and self.store_on == "evict":
+            raise ValueError("data=True needs store_on='compute' (evicted blocks' bytes are gone)")
+        if self.disk_blocks < 0:
+            raise ValueError(f"disk_blocks must be >= 0, got {self.disk_blocks}")
         if self.gpu_blocks < 0:
             raise ValueError(f"gpu_blocks must be >= 0, got {self.gpu_blocks}")
         if self.store_threshold != 0 and self.store_threshold < 2:
@@ -79,7 +92,7 @@ class ReplayConfig:
     def total_capacity(self, workload: Workload) -> int:
         """Blocks all tiers hold together; a remote tier is unbounded (Redis evicts)."""
         remote = workload.unique_blocks if self.redis_url else 0
-        return self.gpu_blocks + self.cpu_capacity(workload) + remote
+        return self.gpu_blocks + self.cpu_capacity(workload) + self.disk_blocks + remote
 
 
 def replay(
@@ -93,15 +106,35 @@ def replay(
     from kvtier.sim.tiers import build_tiers
 
     tiers = build_tiers(workload, config)
+    total = TierCounters("cpu", tiers.cpu_capacity, config.policy)
     try:
-        total = TierCounters("cpu", tiers.cpu_capacity, config.policy)
-        result = replay_offload_only(workload, tiers.manager, total, progress, config.time_model)
+        if config.data:
+            result = _replay_with_data(workload, tiers.manager, total)
+        else:
+            result = replay_offload_only(
+                workload, tiers.manager, total, progress, config.time_model
+            )
     finally:
         tiers.close()
-    if tiers.chain is None:
+    if tiers.chain is None and tiers.local is None:
         return result
     per_tier = tiers.stats(total, workload.block_refs, workload.block_size)
     return dataclasses.replace(result, tiers=tuple(per_tier))
+
+
+def _replay_with_data(
+    workload: Workload, manager: OffloadingManager, total: TierCounters
+) -> ReplayResult:
+    from kvtier.sim.dataplane import DataPlane, data_offload_loop, small_layout
+
+    longest = max((len(ids) for ids in workload.block_ids), default=1)
+    dp = DataPlane(small_layout(workload.block_size), max(1, longest), max(1, total.capacity))
+    started = time.perf_counter()
+    try:
+        tallies = data_offload_loop(workload, manager, total, dp)
+    finally:
+        dp.close()
+    return _result(workload, total, tallies, time.perf_counter() - started)
 
 
 def replay_offload_only(
@@ -118,8 +151,16 @@ def replay_offload_only(
         tallies = _offload_loop(workload, hashes, manager, counters, progress)
     else:
         tallies = concurrent_offload_loop(workload, manager, counters, time_model)
+    return _result(workload, counters, tallies, time.perf_counter() - started)
+
+
+def _result(
+    workload: Workload,
+    counters: TierCounters,
+    tallies: tuple[int, int, int, int],
+    seconds: float,
+) -> ReplayResult:
     any_hits, prefix_hits, hit_tokens, saved = tallies
-    seconds = time.perf_counter() - started
     counters.hit_blocks = prefix_hits
     counters.hit_tokens = hit_tokens
     return ReplayResult(

@@ -13,6 +13,7 @@ included) so they compare with the offload-only replay and the bounds.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import time
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 from kvtier.connector import Admission, OffloadConnector, TransferJob
 from kvtier.request import Request
 from kvtier.sim.concurrency import TimeModel
+from kvtier.sim.dataplane import DataPlane, small_layout
 from kvtier.sim.metrics import ReplayResult, TierCounters
 from kvtier.sim.workload import Workload
 from kvtier.types import BlockHash
@@ -39,11 +41,7 @@ class _Tally:
     any_hits: int = 0
     unschedulable: int = 0
     waited: int = 0
-
-    def stored(self, job: TransferJob) -> None:
-        self.cpu.stores += len(job.block_hashes)
-        self.cpu.evictions += len(job.evicted)
-        self.cpu_resident.difference_update(job.evicted)
+    dp: DataPlane | None = None
 
     def admitted(self, adm: Admission, request: Request, bs: int) -> None:
         self.gpu.hit_blocks += adm.gpu_hit_blocks
@@ -74,6 +72,8 @@ def replay_with_connector(
         TierCounters("gpu", config.gpu_blocks, "lru"),
         TierCounters("cpu", capacity, config.policy),
     )
+    if config.data:
+        tally.dp = DataPlane(small_layout(bs), config.gpu_blocks, max(1, capacity))
     started = time.perf_counter()
     try:
         if config.time_model is None:
@@ -82,6 +82,11 @@ def replay_with_connector(
             _concurrent(workload, connector, tally, config.time_model)
     finally:
         tiers.close()
+        if tally.dp is not None:
+            tally.dp.close()
+            tally.cpu.bytes_stored = tally.dp.bytes_stored
+            tally.cpu.bytes_loaded = tally.dp.bytes_loaded
+            tally.cpu.checksum_failures = tally.dp.checksum_failures
     seconds = time.perf_counter() - started
     tally.gpu.evictions = connector.counters.gpu_evictions
     tally.cpu.store_rejections = connector.counters.store_rejections
@@ -124,9 +129,14 @@ def _present(connector: OffloadConnector, tally: _Tally, hs: list[BlockHash]) ->
 
 
 def _store(connector: OffloadConnector, tally: _Tally, job: TransferJob | None) -> None:
-    if job is not None:
-        tally.stored(job)
-        connector.finish_store(job)
+    if job is None:
+        return
+    ok = tally.dp.store(job.gpu_block_ids, job.spec) if tally.dp is not None else True
+    connector.finish_store(job, ok)
+    tally.cpu_resident.difference_update(job.evicted)
+    tally.cpu.evictions += len(job.evicted)
+    if ok:
+        tally.cpu.stores += len(job.block_hashes)
         tally.cpu_resident.update(job.block_hashes)
 
 
@@ -141,6 +151,25 @@ def _store_computed(
     if job is not None or connector.store_on == "compute":
         tally.cpu.filtered_stores += offered - (len(job.block_hashes) if job else 0)
     _store(connector, tally, job)
+
+
+def _move_bytes(
+    connector: OffloadConnector, dp: DataPlane, request: Request, adm: Admission
+) -> Admission:
+    """Verify the GPU hits, run the load (a failed one is recomputed), compute the rest."""
+    hashes = request.get_block_hashes(connector.block_size, connector.gpu.hash_algorithm)
+    ids = connector.gpu.get_block_ids(request.request_id)
+    gpu_hit = adm.gpu_hit_blocks
+    dp.verify(ids[:gpu_hit], hashes[:gpu_hit])
+    ext = adm.offload_hit_blocks
+    if adm.load is not None:
+        ok = dp.load(adm.load.spec, adm.load.gpu_block_ids, adm.load.block_hashes)
+        connector.finish_load(adm.load, ok)
+        if not ok:
+            ext = 0
+    full = request.num_prompt_tokens // connector.block_size
+    dp.compute(ids[gpu_hit + ext : full], hashes[gpu_hit + ext : full])
+    return dataclasses.replace(adm, offload_hit_blocks=ext)
 
 
 def _sequential(
@@ -158,9 +187,11 @@ def _sequential(
             tally.unschedulable += 1  # larger than the whole accelerator pool
             continue
         tally.any_hits += present
-        tally.admitted(adm, request, bs)
-        if adm.load is not None:
+        if tally.dp is not None:
+            adm = _move_bytes(connector, tally.dp, request, adm)
+        elif adm.load is not None:
             connector.finish_load(adm.load)
+        tally.admitted(adm, request, bs)
         for job in adm.stores:
             _store(connector, tally, job)
         _store_computed(connector, tally, request, adm)

@@ -10,16 +10,65 @@ blocks, unless a namespace is given (two engines sharing one cache).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.connector.chain import TierChain
-from kvtier.offload.abstract import OffloadingManager
+from kvtier.connector.chain import TierChain, TierTally
+from kvtier.offload.abstract import LoadStoreSpec, OffloadingManager, PrepareStoreOutput
 from kvtier.sim.metrics import TierCounters, TierStats
 from kvtier.sim.workload import Workload
+from kvtier.types import BlockHash
 
 if TYPE_CHECKING:
     from kvtier.sim.replay import ReplayConfig
+
+
+class MediumTally(OffloadingManager):
+    """Forwards to a multi-medium manager (the CPU+disk cascade) and tallies per medium:
+    hits from its load specs' positions, stores and evictions from its events."""
+
+    def __init__(self, inner: OffloadingManager, media: Sequence[str]) -> None:
+        self.inner = inner
+        self.tallies = {m: TierTally() for m in media}
+
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
+        return self.inner.lookup(block_hashes)
+
+    def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
+        spec = self.inner.prepare_load(block_hashes)
+        for medium, tally in self.tallies.items():
+            tally.hit_blocks += len(getattr(spec, f"{medium.lower()}_positions", ()))
+        self._drain()
+        return spec
+
+    def touch(self, block_hashes: Iterable[BlockHash]) -> None:
+        self.inner.touch(block_hashes)
+
+    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
+        self.inner.complete_load(block_hashes)
+        self._drain()
+
+    def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
+        out = self.inner.prepare_store(block_hashes)
+        if out is None:
+            for tally in self.tallies.values():
+                tally.store_rejections += 1
+        self._drain()
+        return out
+
+    def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        self.inner.complete_store(block_hashes, success)
+        self._drain()
+
+    def _drain(self) -> None:
+        for event in self.inner.take_events():
+            tally = self.tallies.get(event.medium)
+            if tally is not None:
+                if event.removed:
+                    tally.evictions += len(event.block_hashes)
+                else:
+                    tally.stores += len(event.block_hashes)
 
 
 @dataclass
@@ -30,17 +79,29 @@ class OffloadTiers:
     chain: TierChain | None = None
     remote: Any = None  # kvtier.remote.RemoteTier, imported only when asked for
 
+    local: MediumTally | None = None
+    disk_capacity: int = 0
+
+    def _tallies(self) -> list[tuple[str, TierTally]]:
+        named: list[tuple[str, TierTally]] = []
+        if self.local is not None:
+            named += [(medium.lower(), t) for medium, t in self.local.tallies.items()]
+        if self.chain is not None:
+            named = named or [("cpu", self.chain.tallies["cpu"])]
+            named += [(n, self.chain.tallies[n]) for n, _ in self.chain.tiers[1:]]
+        return named
+
     def stats(self, total: TierCounters, block_refs: int, block_size: int) -> list[TierStats]:
-        """Per-tier figures: the replay's own tally for one tier, the chain's otherwise."""
-        if self.chain is None:
+        """Per-tier figures: the replay's own tally for one tier, the tiers' otherwise."""
+        if self.chain is None and self.local is None:
             return [total.freeze(block_refs)]
+        sizes = {"cpu": self.cpu_capacity, "disk": self.disk_capacity}
         result = []
-        for name, _ in self.chain.tiers:
-            t = self.chain.tallies[name]
+        for name, t in self._tallies():
             c = TierCounters(
                 name,
-                self.cpu_capacity if name == "cpu" else 0,
-                self.policy if name == "cpu" else "server",
+                sizes.get(name, 0),
+                self.policy if name in sizes else "server",
                 hit_blocks=t.hit_blocks,
                 hit_tokens=t.hit_blocks * block_size,
                 stores=t.stores,
@@ -67,12 +128,36 @@ def build_tiers(workload: Workload, config: ReplayConfig) -> OffloadTiers:
     cpu: OffloadingManager = CPUOffloadingManager(bs, capacity, cache_policy=config.policy)
     if config.store_threshold:
         cpu = FilterReusedOffloadingManager(cpu, store_threshold=config.store_threshold)
-    if config.redis_url is None:
-        return OffloadTiers(cpu, capacity, config.policy)
-    from kvtier.remote.tier import RemoteTier
+    tiers = OffloadTiers(cpu, capacity, config.policy, disk_capacity=config.disk_blocks)
+    if config.disk_blocks:
+        tiers.local = _cascade(workload, config)
+        tiers.manager = tiers.local
+    if config.redis_url is not None:
+        from kvtier.remote.tier import RemoteTier
 
-    namespace = config.redis_namespace or f"replay-{uuid.uuid4().hex}"
-    remote = RemoteTier.from_url(config.redis_url, f"{namespace}/{workload.name}", block_size=bs)
-    manager = remote.manager(synthetic_payload_bytes=config.remote_payload_bytes)
-    chain = TierChain([("cpu", cpu), ("remote", manager)])
-    return OffloadTiers(chain, capacity, config.policy, chain=chain, remote=remote)
+        namespace = config.redis_namespace or f"replay-{uuid.uuid4().hex}"
+        fingerprint = f"{namespace}/{workload.name}"
+        tiers.remote = RemoteTier.from_url(config.redis_url, fingerprint, block_size=bs)
+        manager = tiers.remote.manager(synthetic_payload_bytes=config.remote_payload_bytes)
+        tiers.chain = TierChain([("cpu", tiers.manager), ("remote", manager)])
+        tiers.manager = tiers.chain
+    return tiers
+
+
+def _cascade(workload: Workload, config: ReplayConfig) -> MediumTally:
+    """CPU memory then local disk (demotion on CPU eviction, promotion on load)."""
+    from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
+    from kvtier.offload.cascade import CascadeOffloadingManager
+    from kvtier.offload.disk import DiskOffloadingManager
+
+    bs = workload.block_size
+    cpu = CPUOffloadingManager(
+        bs, config.cpu_capacity(workload), cache_policy=config.policy, enable_events=True
+    )
+    disk: OffloadingManager = DiskOffloadingManager(
+        bs, config.disk_blocks, cache_policy=config.policy, enable_events=True
+    )
+    if config.store_threshold:  # the reuse filter as disk admission, as the cascade allows
+        disk = FilterReusedOffloadingManager(disk, store_threshold=config.store_threshold)
+    cascade = CascadeOffloadingManager(cpu, disk, enable_events=True)
+    return MediumTally(cascade, ("CPU", "DISK"))

@@ -1,0 +1,178 @@
+"""`--data`: real bytes behind a bookkeeping replay, every loaded block verified.
+
+The replay's decisions are unchanged; on top, each block a request computes is
+written into an engine cache (torch tensors, CPU here) with contents derived from
+its hash, stores copy those bytes into the CPU tier's host slots through the
+transfer worker, and loads copy them back and compare with what the hash says
+they must be. A wrong byte anywhere (a slot handed out twice, a copy to the wrong
+block, a torn store) shows up as a verification failure; the memory store's own
+checksums are counted too. Both must be 0.
+
+The default layout is deliberately small (2 layers, 1 KV head, head size 4,
+uint8): the point is to exercise every copy path, not to benchmark bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.offload.abstract import LoadStoreSpec, OffloadingManager
+from kvtier.sim.metrics import TierCounters
+from kvtier.sim.workload import Workload
+from kvtier.types import BlockHash
+
+if TYPE_CHECKING:
+    from kvtier.store.layout import KVLayout
+
+
+def small_layout(block_size: int) -> KVLayout:
+    from kvtier.store.layout import KVLayout
+
+    return KVLayout(
+        num_layers=2,
+        num_kv_heads=1,
+        head_size=4,
+        block_size=block_size,
+        dtype="uint8",
+        model_id="kvtier-replay",
+    )
+
+
+class DataPlane:
+    """An engine cache of `device_blocks`, a host slot store of `cpu_slots`, one worker."""
+
+    def __init__(self, layout: KVLayout, device_blocks: int, cpu_slots: int) -> None:
+        from kvtier.store.memory import MemoryStore
+        from kvtier.transfer.device import DeviceKV, allocate_kv_caches
+        from kvtier.transfer.worker import TransferWorker
+
+        self.layout = layout
+        self.kv = DeviceKV(layout, allocate_kv_caches(layout, device_blocks))
+        self.host = MemoryStore(layout, cpu_slots, checksums=True)
+        self.worker = TransferWorker.for_store(self.kv, self.host)
+        self._segments: list[npt.NDArray[np.uint8]] = [s.numpy() for s in self.kv.segments]
+        self._job = 0
+        self.bytes_stored = 0
+        self.bytes_loaded = 0
+        self.failed_jobs = 0
+        self.verify_failures = 0
+
+    def _contents(self, hashes: Sequence[BlockHash], segment: int) -> npt.NDArray[np.uint8]:
+        """What the blocks' bytes must be: each hash (and the segment number) repeated."""
+        size = self._segments[0].shape[1]
+        tag = segment.to_bytes(2, "big")
+        seeds = [bytes(h) + tag for h in hashes]
+        width = len(seeds[0])
+        if any(len(seed) != width for seed in seeds):
+            raise ValueError("block hashes of one call must have one length")
+        rows = np.frombuffer(b"".join(seeds), dtype=np.uint8).reshape(len(seeds), width)
+        return np.tile(rows, (1, -(-size // width)))[:, :size]
+
+    def compute(self, device_ids: Iterable[int], hashes: Sequence[BlockHash]) -> None:
+        """The engine's prefill: fill the blocks it computed."""
+        ids = list(device_ids)
+        if ids:
+            for i, seg in enumerate(self._segments):
+                seg[ids] = self._contents(hashes, i)
+
+    def _run(self, submit: Any, *args: Any) -> tuple[bool, int]:
+        self._job += 1
+        job = self._job
+        submit(job, *args)
+        self.worker.wait([job])
+        (result,) = [r for r in self.worker.get_finished() if r.job_id == job]
+        if not result.ok:
+            self.failed_jobs += 1
+        return result.ok, result.bytes
+
+    def store(self, device_ids: Sequence[int], spec: LoadStoreSpec) -> bool:
+        ok, moved = self._run(self.worker.submit_store, list(device_ids), spec)
+        self.bytes_stored += moved
+        return ok
+
+    def load(
+        self, spec: LoadStoreSpec, device_ids: Iterable[int], hashes: Sequence[BlockHash]
+    ) -> bool:
+        """Copy the blocks in and verify every byte; False: treat as a miss (recompute)."""
+        device_ids = list(device_ids)
+        for seg in self._segments:  # so stale bytes cannot pass for a correct load
+            seg[list(device_ids)] = 0
+        ok, moved = self._run(self.worker.submit_load, spec, list(device_ids))
+        self.bytes_loaded += moved
+        return ok and self.verify(device_ids, hashes)
+
+    def verify(self, device_ids: Sequence[int], hashes: Sequence[BlockHash]) -> bool:
+        """Do these engine blocks hold exactly what their hashes say? (Counts failures.)"""
+        if not device_ids:
+            return True
+        for i, seg in enumerate(self._segments):
+            if not np.array_equal(seg[list(device_ids)], self._contents(hashes, i)):
+                self.verify_failures += 1
+                return False
+        return True
+
+    @property
+    def checksum_failures(self) -> int:
+        return self.host.num_checksum_failures + self.verify_failures
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def data_offload_loop(
+    workload: Workload, manager: OffloadingManager, c: TierCounters, dp: DataPlane
+) -> tuple[int, int, int, int]:
+    """The offload-only replay with bytes: loads verified, failed loads recomputed.
+
+    The engine cache here is a scratch area as large as the longest request: block
+    `i` of the request being replayed sits in device block `i`.
+    """
+    bs = workload.block_size
+    resident: set[BlockHash] = set()
+    any_hits = prefix_hits = hit_tokens = saved = 0
+    for request, hs in zip(workload.requests, workload.block_hashes, strict=True):
+        n = len(hs)
+        any_hits += len(resident.intersection(hs))
+        hit = manager.lookup(hs) or 0
+        if hit:
+            loaded = hs[:hit]
+            ok = dp.load(manager.prepare_load(loaded), range(hit), loaded)
+            manager.complete_load(loaded)
+            hit = hit if ok else 0  # a failed or corrupt load is a miss: recompute
+        prefix_hits += hit
+        hit_tokens += min(hit * bs, request.input_length)
+        saved += min(hit, max(0, request.input_length - 1) // bs) * bs
+        manager.touch(hs)
+        if hit < n:
+            dp.compute(range(hit, n), hs[hit:])
+            _store(manager, c, dp, hs, hit, resident)
+    c.bytes_stored, c.bytes_loaded = dp.bytes_stored, dp.bytes_loaded
+    c.checksum_failures = dp.checksum_failures
+    return any_hits, prefix_hits, hit_tokens, saved
+
+
+def _store(
+    manager: OffloadingManager,
+    c: TierCounters,
+    dp: DataPlane,
+    hs: list[BlockHash],
+    first: int,
+    resident: set[BlockHash],
+) -> None:
+    out = manager.prepare_store(hs[first:])
+    if out is None:
+        c.store_rejections += 1
+        return
+    stored = out.block_hashes_to_store
+    position = {h: i for i, h in enumerate(hs)}
+    ok = dp.store([position[h] for h in stored], out.store_spec) if stored else True
+    manager.complete_store(stored, success=ok)
+    c.evictions += len(out.block_hashes_evicted)
+    resident.difference_update(out.block_hashes_evicted)
+    if ok:
+        c.stores += len(stored)
+        resident.update(stored)
