@@ -8,15 +8,19 @@ place. Decisions are vLLM 0.19's (see docs/SEMANTICS.md sections 3 and 4); on to
 caller mistakes raise KeyError/ValueError with the state unchanged instead of
 tripping asserts half way, and counters record what happened.
 
-Hot paths keep their own hash -> block map (no policy call per lookup) and take
-lists without copying them; every call is O(len(hashes)) plus the eviction.
+Speed: the policy's own maps are the only hash -> block index (a second one would
+double the dictionary work per stored block), read in one batched `get_many` call
+per manager call; per-block loops run as C-level `map`/`filter` where they can.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Literal
+from collections.abc import Iterable, Iterator
+from itertools import compress, repeat
+from operator import is_
+from typing import Literal, cast
 
+from kvtier.offload._fast import first, ref_cnt, second
 from kvtier.offload.abstract import (
     LoadStoreSpec,
     OffloadingEvent,
@@ -44,6 +48,20 @@ def _check_distinct(call: str, hashes: list[BlockHash]) -> set[BlockHash]:
     return distinct
 
 
+def _check_loadable(call: str, hashes: list[BlockHash], blocks: list[BlockStatus | None]) -> None:
+    """Raise for the first absent block, or the first one not in the state `call` needs."""
+    for block_hash, block in zip(hashes, blocks, strict=True):
+        if block is None:
+            raise KeyError(f"{call}: block {block_hash!r} is not stored")
+        if call == "prepare_load" and block.ref_cnt < 0:
+            raise ValueError(f"{call}: block {block_hash!r} is not ready (store in flight)")
+        if call == "complete_load" and block.ref_cnt <= 0:
+            raise ValueError(
+                f"{call}: block {block_hash!r} is not being loaded "
+                f"(ref_cnt {block.ref_cnt}, expected > 0)"
+            )
+
+
 class PolicyOffloadingManager(OffloadingManager):
     """A `Backend` (where blocks live) driven by a `CachePolicy` (which to evict)."""
 
@@ -60,8 +78,9 @@ class PolicyOffloadingManager(OffloadingManager):
                 capacity = backend.get_num_free_blocks()
             policy = create_policy(policy, capacity)
         self.policy: CachePolicy = policy
-        self._blocks: dict[BlockHash, BlockStatus] = {}
+        self._get_many = policy.get_many
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._num_present = 0
         self._lookups = self._queried = self._hits = self._loaded = 0
         self._stored = self._evicted = self._rejections = self._failed = 0
 
@@ -69,10 +88,8 @@ class PolicyOffloadingManager(OffloadingManager):
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
         hashes = _as_list(block_hashes)
-        get = self._blocks.get
         hits = 0
-        for block_hash in hashes:
-            block = get(block_hash)
+        for block in self.policy.get_iter(hashes):
             if block is None or block.ref_cnt < 0:
                 break
             hits += 1
@@ -84,22 +101,14 @@ class PolicyOffloadingManager(OffloadingManager):
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         hashes = _as_list(block_hashes)
         _check_distinct("prepare_load", hashes)
-        get = self._blocks.get
-        blocks: list[BlockStatus] = []
-        for block_hash in hashes:
-            block = get(block_hash)
-            if block is None or block.ref_cnt < 0:
-                for pinned in blocks:  # undo: the state is unchanged after an error
-                    pinned.ref_cnt -= 1
-                if block is None:
-                    raise KeyError(f"prepare_load: block {block_hash!r} is not stored")
-                raise ValueError(
-                    f"prepare_load: block {block_hash!r} is not ready (store in flight)"
-                )
+        blocks = self._get_many(hashes)
+        if blocks and (None in blocks or min(map(ref_cnt, blocks)) < 0):
+            _check_loadable("prepare_load", hashes, blocks)
+        ready = cast("list[BlockStatus]", blocks)
+        for block in ready:
             block.ref_cnt += 1
-            blocks.append(block)
-        self._loaded += len(blocks)
-        return self.backend.get_load_store_spec(hashes, blocks)
+        self._loaded += len(ready)
+        return self.backend.get_load_store_spec(hashes, ready)
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         self.policy.touch(_as_list(block_hashes))
@@ -107,18 +116,10 @@ class PolicyOffloadingManager(OffloadingManager):
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         hashes = _as_list(block_hashes)
         _check_distinct("complete_load", hashes)
-        get = self._blocks.get
-        for i, block_hash in enumerate(hashes):
-            block = get(block_hash)
-            if block is None or block.ref_cnt <= 0:
-                for done in hashes[:i]:
-                    self._blocks[done].ref_cnt += 1
-                if block is None:
-                    raise KeyError(f"complete_load: block {block_hash!r} is not stored")
-                raise ValueError(
-                    f"complete_load: block {block_hash!r} is not being loaded "
-                    f"(ref_cnt {block.ref_cnt}, expected > 0)"
-                )
+        blocks = self._get_many(hashes)
+        if blocks and (None in blocks or min(map(ref_cnt, blocks)) <= 0):
+            _check_loadable("complete_load", hashes, blocks)
+        for block in cast("list[BlockStatus]", blocks):
             block.ref_cnt -= 1
         self.policy.mark_evictable(hashes)
 
@@ -127,8 +128,7 @@ class PolicyOffloadingManager(OffloadingManager):
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
         hashes = _as_list(block_hashes)
         protected = _check_distinct("prepare_store", hashes)
-        blocks = self._blocks
-        to_store = [h for h in hashes if h not in blocks]
+        to_store = list(compress(hashes, map(is_, self._get_many(hashes), repeat(None))))
         backend = self.backend
         if not to_store:
             return PrepareStoreOutput([], backend.get_load_store_spec([], []), [])
@@ -139,10 +139,9 @@ class PolicyOffloadingManager(OffloadingManager):
             if victims is None:
                 self._rejections += 1
                 return None
-            evicted = [h for h, _ in victims]
-            for block_hash in evicted:
-                del blocks[block_hash]
-            backend.free_blocks([block for _, block in victims])
+            evicted = list(map(first, victims))
+            backend.free_blocks(map(second, victims))
+            self._num_present -= len(evicted)
             self._evicted += len(evicted)
             if self.events is not None:
                 self.events.append(
@@ -154,42 +153,64 @@ class PolicyOffloadingManager(OffloadingManager):
                 f"{type(backend).__name__}.allocate_blocks returned {len(new_blocks)} "
                 f"blocks for {len(to_store)} hashes"
             )
-        blocks.update(zip(to_store, new_blocks, strict=True))
         self.policy.insert_many(to_store, new_blocks)
-        spec = backend.get_load_store_spec(to_store, new_blocks)
-        return PrepareStoreOutput(to_store, spec, evicted)
+        self._num_present += len(to_store)
+        return PrepareStoreOutput(
+            to_store, backend.get_load_store_spec(to_store, new_blocks), evicted
+        )
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         hashes = _as_list(block_hashes)
-        get = self._blocks.get
+        blocks = self._get_many(hashes)
+        if not (blocks and None not in blocks and max(map(ref_cnt, blocks)) < 0):
+            # not the usual case (all in flight): keep only the in-flight ones
+            keep = [b is not None and b.ref_cnt < 0 for b in blocks]
+            hashes, blocks = list(compress(hashes, keep)), list(compress(blocks, keep))
+            if not hashes:
+                return
+        in_flight = cast("list[BlockStatus]", blocks)
         if not success:
-            self._drop_in_flight(hashes)
+            self._drop(hashes, in_flight)
             return
-        stored: list[BlockHash] = []
-        for block_hash in hashes:
-            block = get(block_hash)
-            if block is not None and block.ref_cnt < 0:
-                block.ref_cnt = 0
-                stored.append(block_hash)
-        if stored:
-            self._stored += len(stored)
-            self.policy.mark_evictable(stored)
-            if self.events is not None:
-                backend = self.backend
-                self.events.append(
-                    OffloadingEvent(stored, backend.block_size, backend.medium, removed=False)
-                )
+        for block in in_flight:
+            block.ref_cnt = 0
+        self._stored += len(hashes)
+        self.policy.mark_evictable(hashes)
+        if self.events is not None:
+            backend = self.backend
+            stored = list(hashes)
+            self.events.append(
+                OffloadingEvent(stored, backend.block_size, backend.medium, removed=False)
+            )
 
-    def _drop_in_flight(self, hashes: list[BlockHash]) -> None:
-        """A failed store: forget its not-ready blocks and free their slots, in input order."""
-        blocks = self._blocks
-        for block_hash in hashes:
-            block = blocks.get(block_hash)
-            if block is not None and block.ref_cnt < 0:
-                del blocks[block_hash]
+    def _drop(self, hashes: list[BlockHash], blocks: list[BlockStatus]) -> None:
+        """A failed store: forget its blocks and free their slots, in input order."""
+        for block_hash, block in zip(hashes, blocks, strict=True):
+            self.policy.remove(block_hash)
+            self.backend.free(block)
+        self._num_present -= len(hashes)
+        self._failed += len(hashes)
+
+    def remove_ready(self, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
+        """Forget ready, unpinned blocks (e.g. found corrupt) and free their slots.
+
+        Absent, pinned and in-flight blocks are left alone. One removal event lists
+        those removed, which are returned in input order.
+        """
+        removed: list[BlockHash] = []
+        for block_hash in _as_list(block_hashes):
+            block = self.policy.get(block_hash)
+            if block is not None and block.ref_cnt == 0:
                 self.policy.remove(block_hash)
                 self.backend.free(block)
-                self._failed += 1
+                removed.append(block_hash)
+        self._num_present -= len(removed)
+        if removed and self.events is not None:
+            backend = self.backend
+            self.events.append(
+                OffloadingEvent(removed, backend.block_size, backend.medium, removed=True)
+            )
+        return removed
 
     def take_events(self) -> Iterator[OffloadingEvent]:
         """The recorded events in order; they are forgotten at once, consumed or not."""
@@ -216,16 +237,13 @@ class PolicyOffloadingManager(OffloadingManager):
 
     def __len__(self) -> int:
         """Blocks present (ready or in flight)."""
-        return len(self._blocks)
+        return self._num_present
 
     def __contains__(self, block_hash: object) -> bool:
-        return block_hash in self._blocks
+        return self.policy.get(block_hash) is not None  # type: ignore[arg-type]
 
     def get_block(self, block_hash: BlockHash) -> BlockStatus | None:
-        return self._blocks.get(block_hash)
-
-    def stored_hashes(self) -> Sequence[BlockHash]:
-        return list(self._blocks)
+        return self.policy.get(block_hash)
 
 
 class LRUOffloadingManager(PolicyOffloadingManager):

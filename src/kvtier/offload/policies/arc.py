@@ -13,7 +13,7 @@ below target and T2 has no evictable block, the eviction fails even if T1 has on
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence, Set
+from collections.abc import Iterable, Iterator, Sequence, Set
 
 from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies.base import CachePolicy, Victims
@@ -37,19 +37,33 @@ class ARCCachePolicy(CachePolicy):
         block = self._t1.get(key)
         return self._t2.get(key) if block is None else block
 
+    def get_iter(self, keys: Iterable[BlockHash]) -> Iterator[BlockStatus | None]:
+        return map(self.get, keys)
+
+    def get_many(self, keys: Sequence[BlockHash]) -> list[BlockStatus | None]:
+        t1, t2 = self._t1, self._t2
+        blocks = list(map(t1.order.get, keys))
+        if None in blocks:
+            get2 = t2.order.get if not (t1.parked or t2.parked) else self.get
+            blocks = [
+                get2(key) if block is None else block
+                for key, block in zip(keys, blocks, strict=True)
+            ]
+        return blocks
+
     def insert(self, key: BlockHash, block: BlockStatus) -> None:
         self._t1.order[key] = block
         self.b1.pop(key, None)
         self.b2.pop(key, None)
 
     def insert_many(self, keys: Sequence[BlockHash], blocks: Sequence[BlockStatus]) -> None:
-        t1, b1, b2 = self._t1.order, self.b1, self.b2
-        for key, block in zip(keys, blocks, strict=True):
-            t1[key] = block
-            if b1:
-                b1.pop(key, None)
-            if b2:
-                b2.pop(key, None)
+        self._t1.order.update(zip(keys, blocks, strict=True))
+        b1, b2 = self.b1, self.b2
+        for key in keys:
+            if key in b1:
+                del b1[key]
+            elif key in b2:
+                del b2[key]
 
     def remove(self, key: BlockHash) -> None:
         if self._t1.pop(key) is None:
@@ -60,28 +74,38 @@ class ARCCachePolicy(CachePolicy):
         t1_order, t2_order = t1.order, t2.order
         b1, b2 = self.b1, self.b2
         for key in reversed(keys):
-            block = t1_order.pop(key, None)
-            if block is None and t1.parked:
-                block = t1.pop(key)
-            if block is not None:
-                # a store in flight is not a second use: refresh it in T1
-                (t1_order if block.ref_cnt < 0 else t2_order)[key] = block
-            elif key in t2_order:
+            if key in t2_order:
                 t2_order.move_to_end(key)
+                continue
+            if key in t1_order:
+                block = t1_order.pop(key)
+            elif t1.parked and key in t1.parked:
+                block = t1.pop(key)  # type: ignore[assignment]
             elif t2.parked and t2.move_to_end(key):
-                pass
+                continue
             elif key in b1:
                 delta = max(1, len(b2) / len(b1))
                 self.target_t1_size = min(self.target_t1_size + delta, self.cache_capacity)
                 b1.move_to_end(key)
+                continue
             elif key in b2:
                 delta = max(1, len(b1) / len(b2))
                 self.target_t1_size = max(self.target_t1_size - delta, 0)
                 b2.move_to_end(key)
+                continue
+            else:
+                continue
+            # a store in flight is not a second use: refresh it in T1
+            (t1_order if block.ref_cnt < 0 else t2_order)[key] = block
 
     def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
         if n <= 0:
             return []
+        if self._t1.has_evictable_parked() or self._t2.has_evictable_parked():
+            return self._evict_scanning(n, protected)
+        return self._evict_from_orders(n, protected)
+
+    def _evict_scanning(self, n: int, protected: Set[BlockHash]) -> Victims | None:
         scan1, scan2 = self._t1.scan(protected), self._t2.scan(protected)
         virtual_t1_size = len(self._t1)
         target = int(self.target_t1_size)
@@ -101,16 +125,64 @@ class ARCCachePolicy(CachePolicy):
             chosen.append((victim[0], victim[1], False))
         scan1.commit()
         scan2.commit()
-        return self._to_ghosts(chosen)
-
-    def _to_ghosts(self, chosen: list[tuple[BlockHash, BlockStatus, bool]]) -> Victims:
-        b1, b2 = self.b1, self.b2
-        for key, _, from_t1 in chosen:
-            (b1 if from_t1 else b2)[key] = None
-        for ghost in (b1, b2):
-            for _ in range(len(ghost) - self.cache_capacity):
-                ghost.popitem(last=False)
+        self._to_ghosts([key for key, _, was_t1 in chosen if was_t1], None, self.b1)
+        self._to_ghosts([key for key, _, was_t1 in chosen if not was_t1], None, self.b2)
         return [(key, block) for key, block, _ in chosen]
+
+    def _evict_from_orders(self, n: int, protected: Set[BlockHash]) -> Victims | None:
+        """`_evict_scanning` inlined for the common case: no parked block can be a victim."""
+        t1, t2 = self._t1, self._t2
+        items1, items2 = iter(t1.order.items()), iter(t2.order.items())
+        skipped1: list[BlockHash] = []
+        skipped2: list[BlockHash] = []
+        victims: Victims = []
+        from_t1: list[BlockHash] = []
+        from_t2: list[BlockHash] = []
+        virtual_t1_size = len(t1)
+        target = int(self.target_t1_size)
+        t1_exhausted = False
+        for _ in range(n):
+            if virtual_t1_size >= target and not t1_exhausted:
+                for item in items1:
+                    if item[1].ref_cnt == 0 and item[0] not in protected:
+                        victims.append(item)
+                        from_t1.append(item[0])
+                        break
+                    skipped1.append(item[0])
+                else:
+                    t1_exhausted = True
+                if not t1_exhausted:
+                    virtual_t1_size -= 1
+                    continue
+            for item in items2:
+                if item[1].ref_cnt == 0 and item[0] not in protected:
+                    victims.append(item)
+                    from_t2.append(item[0])
+                    break
+                skipped2.append(item[0])
+            else:
+                return None
+        self._to_ghosts(from_t1, t1.order, self.b1)
+        self._to_ghosts(from_t2, t2.order, self.b2)
+        if skipped1:
+            t1.park(skipped1)
+        if skipped2:
+            t2.park(skipped2)
+        return victims
+
+    def _to_ghosts(
+        self,
+        keys: list[BlockHash],
+        order: OrderedDict[BlockHash, BlockStatus] | None,
+        ghost: OrderedDict[BlockHash, None],
+    ) -> None:
+        """Move victims (from `order`, unless already removed) to a ghost list; trim it."""
+        for key in keys:
+            if order is not None:
+                del order[key]
+            ghost[key] = None
+        for _ in range(len(ghost) - self.cache_capacity):
+            ghost.popitem(last=False)
 
     def mark_evictable(self, keys: Sequence[BlockHash]) -> None:
         for lst in (self._t1, self._t2):

@@ -8,7 +8,7 @@ policy is one small class (see `lru.py`) plus one line in `registry.py`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence, Set
+from collections.abc import Iterable, Iterator, Sequence, Set
 
 from kvtier.offload.backend import BlockStatus
 from kvtier.types import BlockHash
@@ -32,6 +32,14 @@ class CachePolicy(ABC):
     @abstractmethod
     def get(self, key: BlockHash) -> BlockStatus | None:
         """The stored block for `key`, or None."""
+
+    def get_iter(self, keys: Iterable[BlockHash]) -> Iterator[BlockStatus | None]:
+        """`get` for each key, lazily (a lookup stops at its first miss)."""
+        return map(self.get, keys)
+
+    def get_many(self, keys: Sequence[BlockHash]) -> list[BlockStatus | None]:
+        """`get` for each key, in order; override to save a call per key."""
+        return [self.get(key) for key in keys]
 
     @abstractmethod
     def insert(self, key: BlockHash, block: BlockStatus) -> None:

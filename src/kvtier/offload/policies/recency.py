@@ -81,6 +81,10 @@ class RecencyList:
             if len(self._heap) > 2 * len(self.parked) + 64:
                 self._rebuild_heap()
 
+    def has_evictable_parked(self) -> bool:
+        """Whether the heap may hold a victim (False: the scan can start at `order`)."""
+        return bool(self._heap)
+
     def keys(self) -> list[BlockHash]:
         """All keys, least recent first (for tests and debugging; O(n log n))."""
         parked = sorted(self.parked.items(), key=lambda item: item[1][0])

@@ -1,0 +1,23 @@
+"""C-level loop helpers for the hot paths.
+
+`map`/`filter` over bound methods run the per-block loop inside the interpreter's
+C code instead of bytecode, two to four times cheaper per block than the
+equivalent `for` loop, and the offload managers loop over ~24 blocks per call.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from operator import attrgetter, itemgetter
+
+_sink: deque[object] = deque(maxlen=0)
+
+first = itemgetter(0)
+second = itemgetter(1)
+ref_cnt = attrgetter("ref_cnt")
+
+
+def consume(iterator: Iterable[object]) -> None:
+    """Drain an iterator at C speed, keeping nothing."""
+    _sink.extend(iterator)
