@@ -183,6 +183,7 @@ def _offload_loop(
     c: TierCounters,
     progress: Progress | None,
 ) -> tuple[int, int, int, int]:
+    # One function on purpose: this is the benchmarked hot loop (no calls to split it).
     lookup, prepare_load, complete_load = (
         manager.lookup,
         manager.prepare_load,

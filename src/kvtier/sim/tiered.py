@@ -31,6 +31,7 @@ from kvtier.types import BlockHash
 
 if TYPE_CHECKING:
     from kvtier.sim.replay import Progress, ReplayConfig
+    from kvtier.sim.tiers import OffloadTiers
 
 
 @dataclass
@@ -72,6 +73,18 @@ def replay_with_connector(
         TierCounters("gpu", config.gpu_blocks, "lru"),
         TierCounters("cpu", capacity, config.policy),
     )
+    return _run(workload, config, connector, tally, tiers, progress)
+
+
+def _run(
+    workload: Workload,
+    config: ReplayConfig,
+    connector: OffloadConnector,
+    tally: _Tally,
+    tiers: OffloadTiers,
+    progress: Progress | None,
+) -> ReplayResult:
+    bs, capacity = workload.block_size, tiers.cpu_capacity
     if config.data:
         tally.dp = DataPlane(small_layout(bs), config.gpu_blocks, max(1, capacity))
     started = time.perf_counter()
@@ -79,7 +92,7 @@ def replay_with_connector(
         if config.time_model is None:
             _sequential(workload, connector, tally, progress)
         else:
-            _concurrent(workload, connector, tally, config.time_model)
+            _EventLoop(workload, connector, tally, config.time_model).run()
     finally:
         tiers.close()
         if tally.dp is not None:
@@ -90,6 +103,13 @@ def replay_with_connector(
     seconds = time.perf_counter() - started
     tally.gpu.evictions = connector.counters.gpu_evictions
     tally.cpu.store_rejections = connector.counters.store_rejections
+    return _result(workload, config, tally, tiers, seconds)
+
+
+def _result(
+    workload: Workload, config: ReplayConfig, tally: _Tally, tiers: OffloadTiers, seconds: float
+) -> ReplayResult:
+    bs = workload.block_size
     prefix = tally.gpu.hit_blocks + tally.cpu.hit_blocks
     return ReplayResult(
         policy=config.policy,
@@ -200,71 +220,75 @@ def _sequential(
         progress(len(workload.requests))
 
 
-def _concurrent(
-    workload: Workload, connector: OffloadConnector, tally: _Tally, model: TimeModel
-) -> None:
-    """Event loop on virtual time: arrivals, prefill ends (loads/stores), decode ends."""
-    bs = workload.block_size
-    events: list[tuple[float, int, Request, Admission | None]] = []
-    waiting: deque[Request] = deque()
-    output_of: dict[str, int] = {}
-    hashes_of: dict[str, list[BlockHash]] = {}
-    seq = itertools.count()
-    running = 0
+class _EventLoop:
+    """Virtual time: arrivals, prefill ends (loads done, stores planned), decode ends.
 
-    def start(now: float, request: Request) -> bool:
-        nonlocal running
-        present = _present(connector, tally, hashes_of[request.request_id])
-        adm = connector.admit(request)
+    Requests that find no room wait in arrival order (head of line); one that cannot
+    fit even an idle pool is dropped and counted as unschedulable.
+    """
+
+    def __init__(
+        self, workload: Workload, connector: OffloadConnector, tally: _Tally, model: TimeModel
+    ) -> None:
+        self.w, self.c, self.tally, self.model = workload, connector, tally, model
+        self.events: list[tuple[float, int, Request, Admission | None]] = []
+        self.waiting: deque[Request] = deque()
+        self.index_of: dict[str, int] = {}
+        self.seq = itertools.count()
+        self.running = 0
+
+    def run(self) -> None:
+        for i, request, _ in _requests(self.w):
+            self.advance(self.w.requests[i].timestamp)
+            if request is None:
+                continue
+            self.index_of[request.request_id] = i
+            self.waiting.append(request)
+            self.drain(self.w.requests[i].timestamp)
+            if self.waiting and self.waiting[-1] is request:
+                self.tally.waited += 1
+        self.advance(float("inf"))
+
+    def advance(self, until: float) -> None:
+        while self.events and self.events[0][0] <= until:
+            now, _, request, adm = heapq.heappop(self.events)
+            self.handle(now, request, adm)
+
+    def start(self, now: float, request: Request) -> bool:
+        i = self.index_of[request.request_id]
+        present = _present(self.c, self.tally, self.w.block_hashes[i])
+        adm = self.c.admit(request)
         if adm is None:
             return False
-        running += 1
-        tally.any_hits += present
-        tally.admitted(adm, request, bs)
+        self.running += 1
+        self.tally.any_hits += present
+        self.tally.admitted(adm, request, self.w.block_size)
         for job in adm.stores:
-            _store(connector, tally, job)
-        cached = (adm.gpu_hit_blocks + adm.offload_hit_blocks) * bs
-        done = now + model.prefill_ms(request.num_tokens - cached, adm.offload_hit_blocks)
-        heapq.heappush(events, (done, next(seq), request, adm))
+            _store(self.c, self.tally, job)
+        cached = (adm.gpu_hit_blocks + adm.offload_hit_blocks) * self.w.block_size
+        done = now + self.model.prefill_ms(request.num_tokens - cached, adm.offload_hit_blocks)
+        heapq.heappush(self.events, (done, next(self.seq), request, adm))
         return True
 
-    def drain(now: float) -> None:
-        """Start waiting requests in order; one that cannot fit an idle pool is dropped."""
-        while waiting:
-            if start(now, waiting[0]):
-                waiting.popleft()
-            elif running == 0:
-                waiting.popleft()
-                tally.unschedulable += 1
+    def drain(self, now: float) -> None:
+        while self.waiting:
+            if self.start(now, self.waiting[0]):
+                self.waiting.popleft()
+            elif self.running == 0:
+                self.waiting.popleft()
+                self.tally.unschedulable += 1
             else:
                 break
 
-    def handle(now: float, request: Request, adm: Admission | None) -> None:
-        nonlocal running
+    def handle(self, now: float, request: Request, adm: Admission | None) -> None:
         if adm is not None:  # prefill ended: loads done, computed blocks stored
             if adm.load is not None:
-                connector.finish_load(adm.load)
-            _store_computed(connector, tally, request, adm)
-            decode = model.decode_ms(output_of[request.request_id])
-            heapq.heappush(events, (now + decode, next(seq), request, None))
+                self.c.finish_load(adm.load)
+            _store_computed(self.c, self.tally, request, adm)
+            output = self.w.requests[self.index_of[request.request_id]].output_length
+            done = now + self.model.decode_ms(output)
+            heapq.heappush(self.events, (done, next(self.seq), request, None))
             return
-        connector.finish(request)  # decode ended
-        running -= 1
-        drain(now)
-
-    for i, request, hs in _requests(workload):
-        now = workload.requests[i].timestamp
-        while events and events[0][0] <= now:
-            t, _, req, adm = heapq.heappop(events)
-            handle(t, req, adm)
-        if request is None:
-            continue
-        output_of[request.request_id] = workload.requests[i].output_length
-        hashes_of[request.request_id] = hs
-        waiting.append(request)
-        drain(now)
-        if waiting and waiting[-1] is request:
-            tally.waited += 1
-    while events:
-        t, _, req, adm = heapq.heappop(events)
-        handle(t, req, adm)
+        self.c.finish(request)  # decode ended
+        self.running -= 1
+        self.drain(now)
