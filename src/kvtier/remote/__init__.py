@@ -8,7 +8,8 @@ from kvtier.remote.codec import BlockCodec, DecodeStatus
 from kvtier.remote.config import RemoteConfig
 from kvtier.remote.kv_store import RedisKVStore, RemoteStoreError
 from kvtier.remote.manager import RemoteLoadStoreSpec, RemoteOffloadingManager
-from kvtier.remote.redis_store import RedisBlockStore, RemoteStartupError, RemoteStats
+from kvtier.remote.redis_store import RedisBlockStore, RemoteStartupError
+from kvtier.remote.stats import RemoteStats
 from kvtier.remote.tier import RemoteTier
 
 __all__ = [

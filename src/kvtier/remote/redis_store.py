@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import logging
 import ssl
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, TypeVar
 
@@ -34,77 +32,18 @@ from redis.exceptions import AuthenticationError, OutOfMemoryError, RedisError, 
 from kvtier.remote.breaker import BreakerState, CircuitBreaker
 from kvtier.remote.codec import HEADER_SIZE, BlockCodec, DecodeStatus
 from kvtier.remote.config import RedisClient, RemoteConfig, make_client
+from kvtier.remote.stats import Counters, RemoteStats
+from kvtier.remote.wire import PREFIX_LUA, ValueBuffers, buffered_sets, send_sets
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Payload = bytes | bytearray | memoryview
 _NO_SALT = b"-"
+_MAX_CACHED_SALTS = 4096
 
 
 class RemoteStartupError(ValueError):
     """The remote tier is misconfigured (e.g. wrong password): fix the config, not the server."""
-
-
-@dataclass(frozen=True)
-class RemoteStats:
-    """Counters of one store since it was created (a snapshot)."""
-
-    lookups: int = 0
-    lookup_hit_blocks: int = 0
-    stored_blocks: int = 0
-    stored_bytes: int = 0
-    loaded_blocks: int = 0
-    loaded_bytes: int = 0
-    missing_blocks: int = 0  # looked up, then evicted before the load
-    corrupt_blocks: int = 0
-    foreign_blocks: int = 0
-    malformed_blocks: int = 0
-    wrong_key_blocks: int = 0
-    errors: int = 0  # failed calls (timeouts, refused connections, server errors)
-    skipped_calls: int = 0  # refused by the open breaker
-    breaker_opened: int = 0
-
-
-class _Counters:
-    """Mutable counters behind a lock (the scheduler and workers share a store)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.values = dict.fromkeys((f.name for f in fields(RemoteStats)), 0)
-
-    def add(self, **deltas: int) -> None:
-        with self.lock:
-            for name, delta in deltas.items():
-                self.values[name] += delta
-
-
-# Walk the keys in order and stop at the first whose header does not start with
-# the expected 32 bytes (absent keys read as ''); return that count and the
-# stopper's header so the client can say why it was refused.
-_PREFIX_LUA = """
-for i, key in ipairs(KEYS) do
-  local header = redis.call('GETRANGE', key, 0, 47)
-  if string.sub(header, 1, 32) ~= ARGV[i] then
-    return {i - 1, header}
-  end
-end
-return {#KEYS, ''}
-"""
-
-
-class _ValueBuffers(threading.local):
-    """Per-thread reusable value buffers: stores never allocate per block once warm."""
-
-    def __init__(self) -> None:
-        self.buffers: list[bytearray] = []
-
-    def get(self, count: int, size: int) -> list[bytearray]:
-        buffers = self.buffers
-        for i, buffer in enumerate(buffers[:count]):
-            if len(buffer) < size:
-                buffers[i] = bytearray(size)  # a new one: views of the old may still live
-        buffers.extend(bytearray(size) for _ in range(count - len(buffers)))
-        return buffers[:count]
 
 
 _REFUSED = {
@@ -127,12 +66,12 @@ class RedisBlockStore:
         self.codec = codec
         self.config = config
         self.breaker = CircuitBreaker(config.breaker, clock)
-        self._counters = _Counters()
+        self._counters = Counters()
         self._base = f"{config.key_prefix}:{codec.fp_digest[:8].hex()}:".encode()
         self._namespaces: dict[str | None, bytes] = {}
-        self._buffers = _ValueBuffers()
+        self._buffers = ValueBuffers()
         self._prefix_script: Script | None = (
-            client.register_script(_PREFIX_LUA) if isinstance(client, redis.Redis) else None
+            client.register_script(PREFIX_LUA) if isinstance(client, redis.Redis) else None
         )
 
     @classmethod
@@ -156,7 +95,11 @@ class RedisBlockStore:
                 f"cannot reach the cluster {config.redacted_url()}: {exc}"
             ) from exc
         store = cls(client, BlockCodec.for_fingerprint(fingerprint), config, clock)
-        store.check_startup()
+        try:
+            store.check_startup()
+        except RemoteStartupError:
+            store.close()
+            raise
         return store
 
     def check_startup(self) -> bool:
@@ -181,13 +124,14 @@ class RedisBlockStore:
 
     @property
     def stats(self) -> RemoteStats:
-        with self._counters.lock:
-            return RemoteStats(**self._counters.values)
+        return self._counters.snapshot()
 
     def namespace(self, salt: str | None) -> bytes:
         """The key prefix for one cache salt (cached: salts repeat across requests)."""
         ns = self._namespaces.get(salt)
         if ns is None:
+            if len(self._namespaces) >= _MAX_CACHED_SALTS:
+                self._namespaces.clear()  # tenants come and go; keep this bounded
             tag = _NO_SALT if salt is None else xxhash.xxh3_64_hexdigest(salt.encode()).encode()
             ns = self._namespaces[salt] = self._base + tag + b":{"
         return ns
@@ -242,14 +186,15 @@ class RedisBlockStore:
         keys = self._keys(block_hashes, salt)
         rows = [memoryview(p).cast("B") for p in payloads]
         client = self.client
+        ttl = self.config.ttl_s
         if isinstance(client, redis.Redis):
-            ok = self._guarded(
-                "store", lambda: self._send_sets(client, keys, block_hashes, rows), False
-            )
+            call = partial(send_sets, client, self.codec, keys, block_hashes, rows, ttl)
         else:
-            ok = self._guarded(
-                "store", lambda: self._buffered_sets(keys, block_hashes, rows), False
+            buffers = self._buffers
+            call = partial(
+                buffered_sets, client, self.codec, buffers, keys, block_hashes, rows, ttl
             )
+        ok = self._guarded("store", call, False)
         if ok:
             nbytes = sum(len(row) for row in rows)
             self._counters.add(stored_blocks=len(rows), stored_bytes=nbytes)
@@ -338,52 +283,6 @@ class RedisBlockStore:
         for key in keys:
             pipe.get(key)
         return pipe.execute()
-
-    def _send_sets(
-        self,
-        client: redis.Redis,
-        keys: list[bytes],
-        block_hashes: Sequence[bytes],
-        rows: list[memoryview],
-    ) -> bool:
-        """One node: SETs written on the socket with the header and the caller's row as
-        separate chunks, so a store copies no payload at all (a pipeline would need the
-        value in one buffer). Any error drops the connection: replies may be unread.
-        """
-        ttl = self.config.ttl_s
-        suffix = b"\r\n" if ttl is None else b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl)
-        argc = b"*3\r\n$3\r\nSET\r\n$" if ttl is None else b"*5\r\n$3\r\nSET\r\n$"
-        chunks: list[bytes | memoryview] = []
-        separator = b""
-        for key, block_hash, row in zip(keys, block_hashes, rows, strict=True):
-            size = b"%d\r\n" % (HEADER_SIZE + len(row))
-            header = self.codec.header(block_hash, row)
-            key_part = b"%d\r\n%s\r\n$" % (len(key), key)
-            chunks += (b"".join((separator, argc, key_part, size, header)), row)
-            separator = suffix
-        chunks.append(separator)
-        pool = client.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command(chunks)  # type: ignore[no-untyped-call]
-            replies = [conn.read_response() for _ in keys]
-        except BaseException:
-            conn.disconnect()  # type: ignore[no-untyped-call]
-            raise
-        finally:
-            pool.release(conn)
-        return all(reply in (b"OK", "OK", True) for reply in replies)
-
-    def _buffered_sets(
-        self, keys: list[bytes], block_hashes: Sequence[bytes], rows: list[memoryview]
-    ) -> bool:
-        """A cluster: a pipeline (routed per node) of values built in reused buffers."""
-        buffers = self._buffers.get(len(rows), max(map(len, rows)) + HEADER_SIZE)
-        encode = self.codec.encode_into
-        pipe = self.client.pipeline(transaction=False)
-        for key, buffer, block_hash, row in zip(keys, buffers, block_hashes, rows, strict=False):
-            pipe.set(key, encode(buffer, block_hash, row), ex=self.config.ttl_s)
-        return all(pipe.execute())
 
     def _guarded(self, what: str, call: Callable[[], T], fallback: T) -> T:
         """Run one server call under the breaker; a failure becomes `fallback`."""

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 from kvtier.remote.config import RemoteConfig
 from kvtier.remote.kv_store import RedisKVStore
 from kvtier.remote.manager import RemoteOffloadingManager
-from kvtier.remote.redis_store import RedisBlockStore, RemoteStats
+from kvtier.remote.redis_store import RedisBlockStore
+from kvtier.remote.stats import RemoteStats
 from kvtier.store.layout import KVLayout
 
 
