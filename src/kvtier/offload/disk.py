@@ -133,13 +133,26 @@ class DiskOffloadingManager(PolicyOffloadingManager):
         """
         removed: list[BlockHash] = []
         for block_hash in block_hashes:
-            block = self._blocks.get(block_hash)
+            block = self.get_block(block_hash)
             if block is None or block.ref_cnt != 0:
                 continue
-            del self._blocks[block_hash]
-            self.policy.remove(block_hash)
-            removed.append(block_hash)
+            self._forget(block_hash)
             self.backend.free(block)
+            removed.append(block_hash)
         if removed and self.events is not None:
             self.events.append(OffloadingEvent(removed, self.block_size, self.medium, removed=True))
         return removed
+
+    def _forget(self, block_hash: BlockHash) -> None:
+        """Remove a ready block from the generic manager's bookkeeping.
+
+        `PolicyOffloadingManager` has no public removal of a ready block yet, so this
+        mirrors what its failed-store path does, for both of its bookkeeping shapes
+        (a hash map, or a count of present blocks beside the policy's own map).
+        """
+        self.policy.remove(block_hash)
+        blocks: dict[BlockHash, BlockStatus] | None = getattr(self, "_blocks", None)
+        if blocks is not None:
+            blocks.pop(block_hash, None)
+        if hasattr(self, "_num_present"):
+            self._num_present: int = self._num_present - 1

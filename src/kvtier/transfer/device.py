@@ -122,11 +122,72 @@ def copy_blocks(
     dst: Sequence[torch.Tensor],
     dst_ids: npt.NDArray[np.int64],
 ) -> int:
-    """Copy blocks segment by segment (asynchronously when a side is on CUDA); bytes moved."""
+    """Copy blocks segment by segment (asynchronously when a side is on CUDA); bytes moved.
+
+    On CUDA: one strided copy per run of ids consecutive on both sides. On CPU the
+    pairs are cut at whichever side has fewer runs: a run of consecutive destination
+    ids is one `index_select` gather into it, a run of consecutive source ids one
+    numpy scatter from it; both loop over blocks in C, not in Python (torch's own
+    scatter kernels copy element by element and run at a fifth of memcpy speed).
+    """
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destinations")
-    non_blocking = src[0].is_cuda or dst[0].is_cuda
-    for s, d, n in coalesce_runs(src_ids, dst_ids):
+    moved = len(src_ids) * sum(int(seg.shape[1]) for seg in src)
+    if len(src_ids) == 0:
+        return moved
+    if src[0].is_cuda or dst[0].is_cuda:
+        for s, d, n in coalesce_runs(src_ids, dst_ids):
+            for src_seg, dst_seg in zip(src, dst, strict=True):
+                dst_seg[d : d + n].copy_(src_seg[s : s + n], non_blocking=True)
+        return moved
+    by_dst, dst_runs = _sorted_runs(dst_ids)
+    by_src, src_runs = _sorted_runs(src_ids)
+    if len(dst_runs) <= len(src_runs):
+        _gather(src, src_ids[by_dst], dst, dst_ids[by_dst], dst_runs)
+    else:
+        _scatter(src, src_ids[by_src], dst, dst_ids[by_src], src_runs)
+    return moved
+
+
+def _sorted_runs(ids: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], list[tuple[int, int]]]:
+    """The order sorting `ids`, and the [start, end) runs of consecutive sorted ids."""
+    order = np.argsort(ids, kind="stable")
+    breaks = np.flatnonzero(np.diff(ids[order]) != 1) + 1
+    bounds = [0, *breaks.tolist(), len(ids)]
+    return order, list(itertools.pairwise(bounds))
+
+
+def _gather(
+    src: Sequence[torch.Tensor],
+    src_ids: npt.NDArray[np.int64],
+    dst: Sequence[torch.Tensor],
+    dst_ids: npt.NDArray[np.int64],
+    runs: list[tuple[int, int]],
+) -> None:
+    """Each run of consecutive `dst_ids` is filled by one gather per segment."""
+    for a, b in runs:
+        d, chunk = int(dst_ids[a]), src_ids[a:b]
+        s = int(chunk[0])
+        if int(chunk[-1]) - s == b - a - 1 and bool((np.diff(chunk) == 1).all()):
+            for src_seg, dst_seg in zip(src, dst, strict=True):
+                dst_seg[d : d + b - a].copy_(src_seg[s : s + b - a])
+            continue
+        index = torch.from_numpy(np.ascontiguousarray(chunk))
         for src_seg, dst_seg in zip(src, dst, strict=True):
-            dst_seg[d : d + n].copy_(src_seg[s : s + n], non_blocking=non_blocking)
-    return len(src_ids) * sum(int(seg.shape[1]) for seg in src)
+            torch.index_select(src_seg, 0, index, out=dst_seg[d : d + b - a])
+
+
+def _scatter(
+    src: Sequence[torch.Tensor],
+    src_ids: npt.NDArray[np.int64],
+    dst: Sequence[torch.Tensor],
+    dst_ids: npt.NDArray[np.int64],
+    runs: list[tuple[int, int]],
+) -> None:
+    """Each run of consecutive `src_ids` is spread by one numpy scatter per segment."""
+    dst_arrays = [seg.numpy() for seg in dst]
+    src_arrays = [seg.numpy() for seg in src]
+    for a, b in runs:
+        s, targets = int(src_ids[a]), dst_ids[a:b]
+        for src_array, dst_array in zip(src_arrays, dst_arrays, strict=True):
+            dst_array[targets] = src_array[s : s + b - a]

@@ -1,0 +1,243 @@
+"""Data-plane bandwidth: memory and disk tiers against plain copies of the same bytes.
+
+1. Memory tier: device blocks (CPU tensors here) -> host slots and back, through a
+   `TransferWorker` (jobs of 16 blocks), at 256 KiB and 2 MiB blocks, both engine
+   layouts, device block ids consecutive or shuffled. Baseline, same run: one plain
+   `torch` copy and one `numpy` copy of the same number of bytes between two
+   filled buffers (the faster of the two counts). Target: >= 80%.
+2. Disk tier: the same through a `DiskStore` (file per block, fsync, rename,
+   directory fsync, xxh3 at store and load). Baseline, same run: plain sequential
+   writes of the same bytes, one file per block, each fdatasync'ed, one directory
+   fsync per 16 files (the same durability), then plain reads. Target: >= 70%.
+
+Each side runs `repeats` times, interleaved with its baseline; the best run counts
+(the machine is shared, and the best run is the one least disturbed).
+
+    .venv/bin/python -m benchmarks.bench_store [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.common import write_result
+from kvtier.offload.disk import DiskLoadStoreSpec
+from kvtier.offload.mediums import CPULoadStoreSpec
+from kvtier.store.disk import DiskStore
+from kvtier.store.layout import KVLayout
+from kvtier.store.memory import MemoryStore
+from kvtier.transfer.device import DeviceKV, allocate_kv_caches
+from kvtier.transfer.worker import TransferWorker
+from kvtier.types import int_block_hash
+
+JOB_BLOCKS = 16
+LAYOUTS = {  # fp16, 8 KV heads of 128: 256 KiB and 2 MiB blocks
+    "256KiB": KVLayout(num_layers=8, num_kv_heads=8, head_size=128, block_size=8),
+    "2MiB": KVLayout(num_layers=32, num_kv_heads=8, head_size=128, block_size=16),
+}
+
+
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def compare(
+    ours: Callable[[], object], baseline: Callable[[], object], repeats: int
+) -> tuple[float, float]:
+    """Best seconds of each, runs alternating so both see the same machine load."""
+    timings = [(best_seconds(ours, 1), best_seconds(baseline, 1)) for _ in range(repeats)]
+    return min(t[0] for t in timings), min(t[1] for t in timings)
+
+
+def filled_kv(layout: KVLayout, num_blocks: int) -> DeviceKV:
+    generator = torch.Generator().manual_seed(0)
+    caches = allocate_kv_caches(layout, num_blocks)
+    for cache in caches:
+        cache.view(torch.int16).random_(generator=generator)
+    return DeviceKV(layout, caches)
+
+
+def run_jobs(worker: TransferWorker, direction: str, ids: np.ndarray, specs: list[Any]) -> None:
+    for job, spec in enumerate(specs):
+        device = ids[job * JOB_BLOCKS : (job + 1) * JOB_BLOCKS]
+        if direction == "store":
+            worker.submit_store(job, device, spec)
+        else:
+            worker.submit_load(job, spec, device)
+    worker.wait(range(len(specs)))
+    results = worker.get_finished()
+    if not all(r.ok for r in results):
+        raise RuntimeError(f"{direction} jobs failed: {worker.errors}")
+
+
+class BaselineCopy:
+    """A plain torch copy and a numpy copy of `total` filled bytes, alternately."""
+
+    def __init__(self, total: int) -> None:
+        self.src = torch.empty(total, dtype=torch.uint8).random_()
+        self.dst = torch.empty_like(self.src).fill_(1)
+        self.src_np, self.dst_np = self.src.numpy(), self.dst.numpy()
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls % 2:
+            self.dst.copy_(self.src)
+        else:
+            np.copyto(self.dst_np, self.src_np)
+
+
+def bench_memory(quick: bool) -> list[dict[str, Any]]:
+    rows = []
+    total = (64 if quick else 256) << 20
+    repeats = 3 if quick else 7
+    for size, base_layout in LAYOUTS.items():
+        num_blocks = total // base_layout.bytes_per_block
+        baseline = BaselineCopy(total)
+        for per_layer in (True, False):
+            layout = dataclasses.replace(base_layout, per_layer=per_layer)
+            kv = filled_kv(layout, num_blocks)
+            host = MemoryStore(layout, num_blocks)
+            slots = np.arange(num_blocks, dtype=np.int64)
+            specs = [
+                CPULoadStoreSpec(slots[i : i + JOB_BLOCKS])
+                for i in range(0, num_blocks, JOB_BLOCKS)
+            ]
+            for order in ("consecutive", "shuffled"):
+                ids = (
+                    slots
+                    if order == "consecutive"
+                    else np.random.default_rng(1).permutation(num_blocks)
+                )
+                with TransferWorker.for_store(kv, host) as worker:
+                    row = {
+                        "block": size,
+                        "layout": "per_layer" if per_layer else "cross_layer",
+                        "device_ids": order,
+                    }
+                    for direction in ("store", "load"):
+                        job = functools.partial(run_jobs, worker, direction, ids, specs)
+                        ours, base = compare(job, baseline, 2 * repeats)
+                        row[f"{direction}_GBps"] = round(total / ours / 1e9, 2)
+                        row[f"{direction}_baseline_GBps"] = round(total / base / 1e9, 2)
+                        row[f"{direction}_ratio"] = round(base / ours, 3)
+                rows.append(row)
+                print(_line("memory", row))
+            del kv, host
+    return rows
+
+
+class PlainFiles:
+    """Plain durable writes (file per block, fdatasync, a directory fsync per job of
+    files) and plain reads of the same bytes: the disk tier's baseline."""
+
+    def __init__(self, directory: Path, blocks: list[bytes]) -> None:
+        directory.mkdir()
+        self.directory = directory
+        self.blocks = blocks
+        self.names = [directory / f"plain-{i}" for i in range(len(blocks))]
+        self.buffer = bytearray(len(blocks[0]))
+
+    def write(self) -> None:
+        dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        for i, (name, data) in enumerate(zip(self.names, self.blocks, strict=True)):
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, data)
+            os.fdatasync(fd)
+            os.close(fd)
+            if i % JOB_BLOCKS == JOB_BLOCKS - 1:
+                os.fsync(dir_fd)
+        os.fsync(dir_fd)
+        os.close(dir_fd)
+
+    def read(self) -> None:
+        for name in self.names:
+            with open(name, "rb", buffering=0) as file:
+                file.readinto(self.buffer)
+
+
+def bench_disk(quick: bool, root: Path) -> list[dict[str, Any]]:
+    rows = []
+    total = (32 if quick else 128) << 20
+    repeats = 2 if quick else 4
+    for size, base_layout in LAYOUTS.items():
+        num_blocks = total // base_layout.bytes_per_block
+        hashes = [int_block_hash(i) for i in range(num_blocks)]
+        specs = [
+            DiskLoadStoreSpec(hashes[i : i + JOB_BLOCKS], list(range(i, i + JOB_BLOCKS)))
+            for i in range(0, num_blocks, JOB_BLOCKS)
+        ]
+        for per_layer in (True, False):
+            layout = dataclasses.replace(base_layout, per_layer=per_layer)
+            kv = filled_kv(layout, num_blocks)
+            directory = root / f"{size}-{per_layer}"
+            store = DiskStore(directory, layout, DiskStore.capacity_for(layout, num_blocks))
+            ids = np.arange(num_blocks, dtype=np.int64)
+            row = {"block": size, "layout": "per_layer" if per_layer else "cross_layer"}
+            blocks = [os.urandom(layout.bytes_per_block) for _ in range(num_blocks)]
+            plain = PlainFiles(root / f"plain-{size}-{per_layer}", blocks)
+            with TransferWorker.for_store(kv, store) as worker:
+                store_job = functools.partial(run_jobs, worker, "store", ids, specs)
+                load_job = functools.partial(run_jobs, worker, "load", ids, specs)
+                store_s, write_s = compare(store_job, plain.write, repeats)
+                load_s, read_s = compare(load_job, plain.read, repeats)
+            for name, ours, base in (("store", store_s, write_s), ("load", load_s, read_s)):
+                row[f"{name}_GBps"] = round(total / ours / 1e9, 3)
+                row[f"{name}_baseline_GBps"] = round(total / base / 1e9, 3)
+                row[f"{name}_ratio"] = round(base / ours, 3)
+            rows.append(row)
+            print(_line("disk", row))
+            shutil.rmtree(directory)
+            shutil.rmtree(plain.directory)
+    return rows
+
+
+def _line(tier: str, row: dict[str, Any]) -> str:
+    what = " ".join(str(row[k]) for k in ("block", "layout", "device_ids") if k in row)
+    return (
+        f"{tier:6} {what:34} store {row['store_GBps']:6} GB/s ({row['store_ratio']:.0%} of "
+        f"{row['store_baseline_GBps']})  load {row['load_GBps']:6} GB/s ({row['load_ratio']:.0%} "
+        f"of {row['load_baseline_GBps']})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller totals, fewer repeats")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the baseline copies get the same single thread as a worker
+    memory = bench_memory(args.quick)
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+        disk = bench_disk(args.quick, Path(tmp))
+    summary = {
+        "memory_min_ratio": min(min(r["store_ratio"], r["load_ratio"]) for r in memory),
+        "disk_min_ratio": min(min(r["store_ratio"], r["load_ratio"]) for r in disk),
+    }
+    path = write_result(
+        "store",
+        {"quick": args.quick, "job_blocks": JOB_BLOCKS, "memory": memory, "disk": disk, **summary},
+    )
+    print(f"memory tier: worst {summary['memory_min_ratio']:.0%} of a plain copy (target 80%)")
+    print(f"disk tier:   worst {summary['disk_min_ratio']:.0%} of plain durable I/O (target 70%)")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
