@@ -155,3 +155,24 @@ def _trace(path: Path) -> Workload:
     if path not in _loaded:
         _loaded[path] = load_workload(path)
     return _loaded[path]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_same_decisions_as_the_vllm_reference_port(
+    conversation_trace_path: Path, policy: str
+) -> None:
+    """The replay over the issue-3 engineer's port of vLLM's managers gives the same hits
+    (the port lives in benchmarks/; it is the reference their managers are held to)."""
+    from typing import cast
+
+    from benchmarks.reference_offload import ReferenceCPUOffloadingManager
+
+    from kvtier.offload.abstract import OffloadingManager
+    from kvtier.sim.metrics import TierCounters
+    from kvtier.sim.replay import replay_offload_only
+
+    workload = _trace(conversation_trace_path)
+    reference = cast(OffloadingManager, ReferenceCPUOffloadingManager(512, 9139, policy))
+    r = replay_offload_only(workload, reference, TierCounters("cpu", 9139, policy))
+    assert (r.prefix_hit_blocks, r.any_hit_blocks) == GOLDEN[(policy, 9139)]
