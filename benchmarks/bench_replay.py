@@ -15,6 +15,7 @@ references per second for LRU on `replay` (no `--data`).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -76,6 +77,7 @@ def measure(workload: Workload, policy: str, capacity: int, repeat: int) -> dict
     hits: dict[str, int] = {}
     for _ in range(repeat):
         for name, loop in LOOPS.items():
+            gc.collect()  # no loop pays for the previous one's garbage
             seconds, hits[name] = loop(workload, policy, capacity)
             times[name].append(seconds)
     if hits["manager"] != hits["replay"]:
