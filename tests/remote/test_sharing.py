@@ -99,3 +99,33 @@ FP_REPLAY = "replay|mooncake|block=512"
 # prefix hits of the first 300 Mooncake requests (of 8,490 block
 # references), cross-checked against the in-memory model above
 GOLDEN_FIRST_300_HITS = 676
+
+
+def test_kvtier_replay_finishes_when_the_server_dies_half_way(redis_server: RedisServer) -> None:
+    """The real replay (`kvtier replay --redis`), its server SIGKILLed mid-run."""
+    from kvtier.sim.generator import GeneratorConfig, generate_workload
+    from kvtier.sim.replay import PROGRESS_EVERY, ReplayConfig, replay
+
+    small = GeneratorConfig(  # short prompts: many requests, few blocks, a quick test
+        num_requests=PROGRESS_EVERY + 400,
+        system_prompt_blocks=4,
+        tool_preamble_blocks=8,
+        mean_message_blocks=2.0,
+        mean_answer_blocks=2.0,
+        mean_tool_result_blocks=2.0,
+        mean_document_blocks=12.0,
+    )
+    workload = generate_workload(small, seed=5)
+    config = ReplayConfig("lru", cpu_blocks=40, redis_url=redis_server.url)
+    healthy = replay(workload, config)
+
+    def kill_half_way(done: int) -> None:
+        if done >= PROGRESS_EVERY and redis_server.proc is not None:
+            redis_server.kill()
+
+    broken = replay(workload, config, kill_half_way)  # nothing raises
+    assert redis_server.proc is None  # it did die mid-run
+    remote_healthy, remote_broken = healthy.tiers[1], broken.tiers[1]
+    assert 0 < remote_broken.hit_blocks < remote_healthy.hit_blocks
+    assert broken.prefix_hit_blocks < healthy.prefix_hit_blocks
+    assert remote_broken.bytes_loaded < remote_healthy.bytes_loaded

@@ -215,25 +215,26 @@ class RedisBlockStore:
         if values is None:
             return [None] * len(keys)
         out: list[memoryview | None] = []
-        corrupt_keys = []
+        refused_keys = []
+        counts = dict.fromkeys(("loaded_blocks", "loaded_bytes", "missing_blocks"), 0)
+        decode = self.codec.decode
         for block_hash, key, value in zip(block_hashes, keys, values, strict=True):
-            out.append(self._decode(block_hash, value))
-            if value is not None and out[-1] is None:
-                corrupt_keys.append(key)
-        if corrupt_keys:
-            self._guarded("delete", lambda: self.client.delete(*corrupt_keys), 0)
+            if value is None:
+                counts["missing_blocks"] += 1
+                out.append(None)
+                continue
+            status, payload = decode(block_hash, value)
+            out.append(payload)
+            if payload is None:
+                refused_keys.append(key)
+                counts[_REFUSED[status]] = counts.get(_REFUSED[status], 0) + 1
+            else:
+                counts["loaded_blocks"] += 1
+                counts["loaded_bytes"] += len(payload)
+        self._counters.add(**counts)
+        if refused_keys:  # never served again: drop them now
+            self._guarded("delete", lambda: self.client.delete(*refused_keys), 0)
         return out
-
-    def _decode(self, block_hash: bytes, value: bytes | None) -> memoryview | None:
-        if value is None:
-            self._counters.add(missing_blocks=1)
-            return None
-        status, payload = self.codec.decode(block_hash, value)
-        if payload is None:
-            self._counters.add(**{_REFUSED[status]: 1})
-            return None
-        self._counters.add(loaded_blocks=1, loaded_bytes=len(payload))
-        return payload
 
     def ping(self) -> bool:
         """One guarded PING: a cheap probe for a half-open breaker."""
@@ -279,10 +280,15 @@ class RedisBlockStore:
         return int(num_hits), bytes(stopper)
 
     def _pipeline_get(self, keys: list[bytes]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
+        """MGET on one node (one command to pack and one reply to parse, not N);
+        a cluster pipelines GETs, which it routes per node."""
+        if isinstance(self.client, redis.Redis):
+            return list(self.client.mget(keys))
+        client: RedisClient = self.client
+        pipe = client.pipeline(transaction=False)
         for key in keys:
             pipe.get(key)
-        return pipe.execute()
+        return list(pipe.execute())
 
     def _guarded(self, what: str, call: Callable[[], T], fallback: T) -> T:
         """Run one server call under the breaker; a failure becomes `fallback`."""

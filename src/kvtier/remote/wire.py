@@ -30,6 +30,11 @@ return {#KEYS, ''}
 """
 
 
+# Rows at least this large go to the socket as they are; smaller ones are joined
+# with their neighbours (a syscall per tiny row costs more than copying it).
+_SEPARATE_SEND_BYTES = 16 * 1024
+
+
 def send_sets(
     client: redis.Redis,
     codec: BlockCodec,
@@ -49,12 +54,19 @@ def send_sets(
         argc = b"*5\r\n$3\r\nSET\r\n$"
         suffix = b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s)
     chunks: list[bytes | memoryview] = []
+    pending: list[bytes | memoryview] = []  # small pieces, joined into one send
     separator = b""
     for key, block_hash, row in zip(keys, block_hashes, rows, strict=True):
         head = b"%d\r\n%s\r\n$%d\r\n" % (len(key), key, HEADER_SIZE + len(row))
-        chunks += (b"".join((separator, argc, head, codec.header(block_hash, row))), row)
+        pending += (separator, argc, head, codec.header(block_hash, row))
+        if len(row) < _SEPARATE_SEND_BYTES:
+            pending.append(row)
+        else:
+            chunks += (b"".join(pending), row)
+            pending = []
         separator = suffix
-    chunks.append(separator)
+    pending.append(separator)
+    chunks.append(b"".join(pending))
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
