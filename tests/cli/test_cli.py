@@ -144,3 +144,37 @@ def test_data_replay_reports_bytes_and_no_checksum_failures(
 def test_data_with_bookkeeping_only_tiers_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", "--limit", "10", "--data", "--concurrent"]) == 2
     assert "data=True" in capsys.readouterr().err
+
+
+def test_generated_workload_shape_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    docs = _json(capsys, "replay", "--json", "--requests", "40", "--mix", "0,0,1")
+    assert docs["requests"] == 40
+    assert docs["bounds"]["infinite"] == 0.0  # type: ignore[index]  # documents only: no reuse
+    assert main(["replay", "--mix", "1,2"]) == 2
+    assert "mix must be 3" in capsys.readouterr().err
+
+
+def test_bailian_and_token_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bailian = tmp_path / "b.jsonl"
+    rows = [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.5, "input_length": 48,
+         "output_length": 3, "type": "text", "turn": 1, "hash_ids": [10, 11, 12]},
+        {"chat_id": 2, "parent_chat_id": 1, "timestamp": 1.5, "input_length": 48,
+         "output_length": 3, "type": "text", "turn": 2, "hash_ids": [13, 11, 12]},
+    ]  # fmt: skip
+    bailian.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["replay", "--json", "--trace", str(bailian), "--cpu-blocks", "10"]
+    doc = _json(capsys, *argv, "--format", "bailian")
+    (lru, _) = doc["results"]  # type: ignore[misc]
+    # Unchained ids: 11 and 12 are present, but behind a miss: any-position hits only.
+    assert (lru["hit_blocks"], lru["prefix_hit_blocks"]) == (2, 0)
+    assert doc["bounds"]["infinite_prefix"] == 0.0  # type: ignore[index]
+    tokens = tmp_path / "t.jsonl"
+    prompt = list(range(40))
+    tokens.write_text(
+        "".join(json.dumps({"token_ids": prompt, "output_length": 2}) + "\n" for _ in range(3))
+    )
+    argv = ["replay", "--json", "--trace", str(tokens), "--cpu-blocks", "4"]
+    doc = _json(capsys, *argv, "--format", "tokens")
+    assert doc["block_refs"] == 6 and doc["unique_blocks"] == 2  # two full 16-token blocks
+    assert doc["results"][0]["prefix_hit_blocks"] == 4  # type: ignore[index]

@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from kvtier.sim.generator import GeneratorConfig
 from kvtier.sim.traces import TraceFormatError
 from kvtier.sim.workload import FORMATS
 
@@ -40,6 +41,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--limit", type=_int_at_least(1), help="replay the first N requests only")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
+    p.add_argument(
+        "--requests",
+        type=_int_at_least(1),
+        default=GeneratorConfig.num_requests,
+        help="generated workload: number of requests",
+    )
+    p.add_argument(
+        "--mix",
+        default=",".join(str(x) for x in GeneratorConfig.mix),
+        help="generated workload: shares of chats, agents, documents (e.g. 0.6,0.3,0.1)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--report", metavar="FILE.html", help="write an HTML report")
 

@@ -8,9 +8,10 @@ from typing import Any
 
 from rich.console import Console
 
+from kvtier.cli.args import open_workload_from_args
 from kvtier.cli.render import progress_bars, sweep_table
 from kvtier.sim.replay import ReplayConfig
-from kvtier.sim.session import capacities_from_fractions, open_workload, parse_policies, sweep
+from kvtier.sim.session import capacities_from_fractions, parse_policies, sweep
 
 
 def _fractions(text: str) -> list[float]:
@@ -26,7 +27,7 @@ def _fractions(text: str) -> list[float]:
 def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     policies = parse_policies(args.policy)
     fractions = _fractions(args.fracs)
-    workload = open_workload(args.trace, args.format, limit=args.limit, seed=args.seed)
+    workload = open_workload_from_args(args)
     capacities = capacities_from_fractions(workload, fractions)
     console = Console(stderr=args.json)
     config = ReplayConfig(store_threshold=args.store_threshold)

@@ -7,10 +7,11 @@ from typing import Any
 
 from rich.console import Console
 
+from kvtier.cli.args import open_workload_from_args
 from kvtier.cli.render import progress_bars, replay_table, tier_table
 from kvtier.sim.concurrency import TimeModel
 from kvtier.sim.replay import ReplayConfig
-from kvtier.sim.session import open_workload, parse_policies, run_replays
+from kvtier.sim.session import parse_policies, run_replays
 
 
 def config_from_args(args: argparse.Namespace) -> ReplayConfig:
@@ -31,7 +32,7 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
 def run_replay(args: argparse.Namespace) -> dict[str, Any]:
     policies = parse_policies(args.policy)
     config = config_from_args(args)
-    workload = open_workload(args.trace, args.format, limit=args.limit, seed=args.seed)
+    workload = open_workload_from_args(args)
     console = Console(stderr=args.json)
     with progress_bars(console, enabled=not args.json) as bars:
         report = run_replays(workload, policies, config, bars)
