@@ -34,15 +34,17 @@ from typing import Literal
 
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.disk import DiskOffloadingManager
-from kvtier.store.checksum import block_checksum, verify_checksum
+from kvtier.store.checksum import ChecksumError, segments_checksum
 from kvtier.store.diskformat import (
     DIR_PREFIX,
     LAYOUT_FILE,
     TMP_SUFFIX,
     BlockHeader,
     FormatError,
+    durable_write,
     file_name,
     hash_of,
+    sync_directory,
 )
 from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.store.protocol import BlockLoadError
@@ -90,6 +92,7 @@ class DiskStore:
         self.fsync = fsync
         self.root = Path(root)
         self.directory = self.root / f"{DIR_PREFIX}{layout.fingerprint}"
+        self._prefix = f"{self.directory}{os.sep}"
         self._lock = threading.Lock()
         self._sizes: dict[BlockHash, int] = {}
         self._used = 0
@@ -140,8 +143,10 @@ class DiskStore:
             found = json.loads(marker.read_text()).get("fingerprint", "")
             self._layout.check_compatible(found, str(self.directory))
             return
-        self._durable_write(marker, [json.dumps(description, sort_keys=True).encode()])
-        self._sync_directory(self.root)
+        data = json.dumps(description, sort_keys=True).encode()
+        durable_write(str(marker), f"{marker}.{os.getpid()}{TMP_SUFFIX}", [data], self.fsync)
+        if self.fsync:
+            sync_directory(self.root)
 
     def _recover(self) -> list[BlockHash]:
         """Index every complete block (oldest first); delete temp and invalid files."""
@@ -166,7 +171,8 @@ class DiskStore:
                 continue
             self._sizes[block_hash] = size
             self._used += size
-        self._sync_directory(self.directory)
+        if self.fsync:
+            sync_directory(self.directory)
         return list(self._sizes)
 
     def _drop_file(self, path: str) -> None:
@@ -196,23 +202,31 @@ class DiskStore:
 
     def write(self, block_hashes: Sequence[BlockHash], blocks: Sequence[Buffer]) -> None:
         """Store blocks durably; they are indexed (readable) only when all are on disk."""
+        self.write_parts(block_hashes, [[block] for block in blocks])
+
+    def write_parts(
+        self, block_hashes: Sequence[BlockHash], blocks: Sequence[Sequence[Buffer]]
+    ) -> None:
+        """`write` for blocks given as their segments in layout order (no gather copy)."""
         if len(block_hashes) != len(blocks):
             raise ValueError(f"{len(blocks)} buffers for {len(block_hashes)} hashes")
         size = self._layout.bytes_per_block
-        for block in blocks:
-            if memoryview(block).nbytes != size:
-                raise ValueError(f"block of {memoryview(block).nbytes} bytes, layout needs {size}")
+        for parts in blocks:
+            got = sum(memoryview(part).nbytes for part in parts)
+            if got != size:
+                raise ValueError(f"block of {got} bytes, layout needs {size}")
         self._reserve(block_hashes)
         written: list[tuple[BlockHash, int]] = []
         try:
-            for block_hash, block in zip(block_hashes, blocks, strict=True):
-                header = BlockHeader(
-                    block_hash, self._layout.fingerprint_bytes, size, block_checksum(block)
-                ).pack()
-                final = self.directory / file_name(block_hash)
-                self._durable_write(final, [header, block])
-                written.append((block_hash, len(header) + size))
-            self._sync_directory(self.directory)
+            for block_hash, parts in zip(block_hashes, blocks, strict=True):
+                checksum = segments_checksum(parts)
+                header = BlockHeader(block_hash, self._layout.fingerprint_bytes, size, checksum)
+                raw = header.pack()
+                tmp = f"{self._path(block_hash)}.{os.getpid()}-{next(self._tmp_ids)}{TMP_SUFFIX}"
+                durable_write(self._path(block_hash), tmp, [raw, *parts], self.fsync)
+                written.append((block_hash, len(raw) + size))
+            if self.fsync:
+                sync_directory(self.directory)
         finally:
             self._settle(block_hashes, written)
 
@@ -245,63 +259,46 @@ class DiskStore:
                     del self._sizes[block_hash]
                     self._used -= self.file_bytes(block_hash)
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.directory / file_name(block_hash))
+                        os.unlink(self._path(block_hash))
 
-    def _durable_write(self, final: Path, parts: Sequence[Buffer]) -> None:
-        tmp = final.with_name(f"{final.name}.{os.getpid()}-{next(self._tmp_ids)}{TMP_SUFFIX}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view:
-                    view = view[os.write(fd, view) :]
-            if self.fsync:
-                os.fdatasync(fd)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        os.close(fd)
-        os.replace(tmp, final)
-
-    def _sync_directory(self, directory: Path) -> None:
-        if not self.fsync:
-            return
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    def _path(self, block_hash: BlockHash) -> str:
+        return self._prefix + file_name(block_hash)
 
     # --- reading and dropping ----------------------------------------------
 
     def read(self, block_hashes: Sequence[BlockHash], blocks: Sequence[memoryview]) -> None:
         """Fill `blocks`; `BlockLoadError` on a missing or corrupt block (which is dropped)."""
+        self.read_parts(block_hashes, [[block] for block in blocks])
+
+    def read_parts(
+        self, block_hashes: Sequence[BlockHash], blocks: Sequence[Sequence[memoryview]]
+    ) -> None:
+        """`read` into blocks given as their segments in layout order (no scatter copy)."""
         if len(block_hashes) != len(blocks):
             raise ValueError(f"{len(blocks)} buffers for {len(block_hashes)} hashes")
-        for block_hash, block in zip(block_hashes, blocks, strict=True):
-            self._read_one(block_hash, block)
+        for block_hash, parts in zip(block_hashes, blocks, strict=True):
+            self._read_one(block_hash, [part.cast("B") for part in parts])
 
-    def _read_one(self, block_hash: BlockHash, block: memoryview) -> None:
+    def _read_one(self, block_hash: BlockHash, parts: list[memoryview]) -> None:
         size = self._layout.bytes_per_block
-        if block.nbytes != size:
-            raise ValueError(f"buffer of {block.nbytes} bytes, layout needs {size}")
+        if sum(part.nbytes for part in parts) != size:
+            raise ValueError(f"buffers of {[p.nbytes for p in parts]} bytes, layout needs {size}")
         with self._lock:
             readable = self._sizes.get(block_hash, 0) > 0
         try:
             if not readable:
                 raise FileNotFoundError(block_hash.hex())
-            fd = os.open(self.directory / file_name(block_hash), os.O_RDONLY)
+            fd = os.open(self._path(block_hash), os.O_RDONLY)
         except FileNotFoundError:
             raise self._missing_error(block_hash) from None
         try:
-            header_len = BlockHeader.size_for(len(block_hash))
-            header = BlockHeader.unpack(os.pread(fd, header_len, 0))
-            got = os.preadv(fd, [block.cast("B")], header_len)
+            raw_header = bytearray(BlockHeader.size_for(len(block_hash)))
+            got = os.readv(fd, [raw_header, *parts]) - len(raw_header)
+            header = BlockHeader.unpack(raw_header)
             if got != size or header.block_hash != block_hash or header.payload_len != size:
                 raise FormatError(f"torn block file ({got} of {size} payload bytes)")
-            verify_checksum(block, header.checksum, block_hash)
+            if segments_checksum(parts) != header.checksum:
+                raise ChecksumError(f"checksum mismatch for block {block_hash.hex()}")
         except ValueError as exc:  # FormatError, ChecksumError
             raise self._drop_corrupt(block_hash, str(exc)) from exc
         finally:
@@ -330,7 +327,7 @@ class DiskStore:
                 del self._sizes[block_hash]
                 self._used -= size
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.directory / file_name(block_hash))
+                os.unlink(self._path(block_hash))
 
     def take_dropped(self) -> list[BlockHash]:
         """Hashes found missing or corrupt since the last call (for the scheduler to forget)."""
@@ -356,6 +353,14 @@ class DiskStore:
 
     def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
         self.read(_hashes_of(spec), blocks)
+
+    # The optional segment extension of the protocol (see kvtier.store.protocol).
+
+    def write_segments(self, spec: LoadStoreSpec, blocks: Sequence[Sequence[memoryview]]) -> None:
+        self.write_parts(_hashes_of(spec), blocks)
+
+    def read_segments(self, spec: LoadStoreSpec, blocks: Sequence[Sequence[memoryview]]) -> None:
+        self.read_parts(_hashes_of(spec), blocks)
 
     def __contains__(self, block_hash: object) -> bool:
         with self._lock:

@@ -14,7 +14,10 @@ never share a file name space.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -31,6 +34,7 @@ DIR_PREFIX = "kvtier-"
 # magic, version, hash length, fingerprint, payload length, payload xxh3
 _FIXED = struct.Struct("<4sHH16sQQ")
 _CHECK = struct.Struct("<Q")
+_IOV_MAX = 1024  # POSIX minimum is 16, Linux allows 1024
 
 
 class FormatError(ValueError):
@@ -61,7 +65,7 @@ class BlockHeader:
         return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
     @classmethod
-    def unpack(cls, data: bytes) -> BlockHeader:
+    def unpack(cls, data: bytes | bytearray) -> BlockHeader:
         """Parse and self-check a header; `FormatError` says what is wrong."""
         if len(data) < _FIXED.size:
             raise FormatError(f"header truncated at {len(data)} bytes")
@@ -89,3 +93,46 @@ def hash_of(name: str) -> BlockHash | None:
         return BlockHash(bytes.fromhex(name[: -len(SUFFIX)]))
     except ValueError:
         return None
+
+
+def durable_write(
+    final: str, tmp: str, parts: Sequence[bytes | bytearray | memoryview], fsync: bool
+) -> None:
+    """Write `parts` to `tmp`, fdatasync it, and rename it to `final` (atomic).
+
+    The caller fsyncs the directory once per batch, which makes the renames durable.
+    """
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, [memoryview(part).cast("B") for part in parts])
+        if fsync:
+            os.fdatasync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, final)
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """One writev for the usual case; a short write falls back to finishing part by part."""
+    done = os.writev(fd, views) if len(views) <= _IOV_MAX else 0
+    for view in views:
+        if done >= view.nbytes:
+            done -= view.nbytes
+            continue
+        view = view[done:]
+        done = 0
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def sync_directory(directory: str | os.PathLike[str]) -> None:
+    """fsync a directory, making the renames inside it durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -20,6 +20,12 @@ class MyStore:
         # block (after dropping it and counting it).
 ```
 
+Optional, for speed: a store may also implement `write_segments(spec, blocks)` and
+`read_segments(spec, blocks)`, where `blocks[i]` is the list of block i's segments
+in layout order (`KVLayout.num_segments` views). On a CPU device the worker then
+hands it the engine's own memory, segment by segment, and skips the gather/scatter
+copy through staging rows (the disk store writes them with one `writev`).
+
 `spec` is whatever the medium's offloading `Backend` hands out (slot ids for CPU,
 block hashes for disk and remote stores). Stores are called from worker threads: one
 thread per direction, so a store sees at most one write and one read at a time, and

@@ -95,7 +95,8 @@ class HostSlotHandler:
 
 
 class StagedHandler:
-    """Device <-> any `BlockStore`, through contiguous host rows."""
+    """Device <-> any `BlockStore`, through contiguous host rows or, on a CPU device,
+    straight from the engine's memory (whole rows, or segments if the store takes them)."""
 
     def __init__(self, kv: DeviceKV, store: BlockStore) -> None:
         if store.layout.fingerprint != kv.layout.fingerprint:
@@ -103,21 +104,26 @@ class StagedHandler:
         self.kv = kv
         self.medium = store
         self._streams = _Streams(kv)
-        self._direct = kv.device.type == "cpu" and not kv.layout.per_layer
-        self._device_rows = kv.segments[0].numpy() if self._direct else None
+        on_cpu = kv.device.type == "cpu"
+        self._arrays = [seg.numpy() for seg in kv.segments] if on_cpu else []
+        self._rows = on_cpu and len(self._arrays) == 1
+        self._segmented = on_cpu and not self._rows and hasattr(store, "write_segments")
         self._staging: dict[str, MemoryStore] = {}
 
     def prepare_store(self) -> Any:
         return self.kv.record_compute()
 
     def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
-        if self._device_rows is not None:
-            rows = [memoryview(self._device_rows[i]) for i in device_ids.tolist()]
-            self.medium.write_blocks(spec, rows)
-            return len(rows) * self.kv.layout.bytes_per_block
+        moved = len(device_ids) * self.kv.layout.bytes_per_block
+        if self._rows:
+            self.medium.write_blocks(spec, self._row_views(device_ids))
+            return moved
+        if self._segmented:
+            self.medium.write_segments(spec, self._segment_views(device_ids))  # type: ignore[attr-defined]
+            return moved
         staging = self._stage("store", len(device_ids))
         slots = np.arange(len(device_ids), dtype=np.int64)
-        moved = self._streams.run(
+        self._streams.run(
             self._streams.store,
             ready,
             lambda: copy_blocks(self.kv.segments, device_ids, staging.segments(), slots),
@@ -126,18 +132,30 @@ class StagedHandler:
         return moved
 
     def load(self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64]) -> int:
-        if self._device_rows is not None:
-            rows = [memoryview(self._device_rows[i]) for i in device_ids.tolist()]
-            self.medium.read_blocks(spec, rows)
-            return len(rows) * self.kv.layout.bytes_per_block
+        moved = len(device_ids) * self.kv.layout.bytes_per_block
+        if self._rows:
+            self.medium.read_blocks(spec, self._row_views(device_ids))
+            return moved
+        if self._segmented:
+            self.medium.read_segments(spec, self._segment_views(device_ids))  # type: ignore[attr-defined]
+            return moved
         staging = self._stage("load", len(device_ids))
         slots = np.arange(len(device_ids), dtype=np.int64)
         self.medium.read_blocks(spec, [memoryview(staging.array[i]) for i in slots.tolist()])
-        return self._streams.run(
+        self._streams.run(
             self._streams.load,
             None,
             lambda: copy_blocks(staging.segments(), slots, self.kv.segments, device_ids),
         )
+        return moved
+
+    def _row_views(self, device_ids: npt.NDArray[np.int64]) -> list[memoryview]:
+        rows = self._arrays[0]
+        return [memoryview(rows[i]) for i in device_ids.tolist()]
+
+    def _segment_views(self, device_ids: npt.NDArray[np.int64]) -> list[list[memoryview]]:
+        arrays = self._arrays
+        return [[memoryview(a[i]) for a in arrays] for i in device_ids.tolist()]
 
     def _stage(self, direction: str, num_blocks: int) -> MemoryStore:
         """This direction's staging rows, grown (never shrunk) to fit the job."""
