@@ -15,6 +15,7 @@ from hypothesis.stateful import (
 )
 
 from kvtier.offload.abstract import OffloadingEvent
+from kvtier.remote.async_lookup import AsyncLookups
 from kvtier.remote.breaker import BreakerConfig
 from kvtier.remote.manager import RemoteLoadStoreSpec, RemoteOffloadingManager
 from kvtier.remote.tier import RemoteTier
@@ -186,3 +187,42 @@ def test_manager_against_model(redis_server: RedisServer) -> None:
         lambda: RemoteManagerMachine(redis_server),
         settings=settings(max_examples=25, stateful_step_count=30, deadline=None),
     )
+
+
+def test_async_lookup_answers_none_until_known(redis_server: RedisServer) -> None:
+    with tier_for(redis_server) as tier:
+        writer = tier.manager(synthetic_payload_bytes=32)
+        store_all(writer, H[:4])
+        manager = tier.manager(async_lookup=True)
+        assert manager.lookup(H) is None  # asked: the scheduler moves on
+        assert manager.wait_lookups(timeout=30)
+        assert manager.lookup(H) == 4  # asked again: the answer
+        assert manager.lookup(H) is None  # a fresh question after that
+        assert manager.lookup(H[:2]) is None  # distinct prefixes are distinct questions
+        assert manager.wait_lookups(timeout=30)
+        assert (manager.lookup(H[:2]), manager.lookup(H)) == (2, 4)
+
+
+def test_async_lookup_against_a_dead_server_answers_misses(redis_server: RedisServer) -> None:
+    with tier_for(redis_server) as tier:
+        manager = tier.manager(async_lookup=True)
+        redis_server.kill()
+        assert manager.lookup(H) is None
+        assert manager.wait_lookups(timeout=30)
+        assert manager.lookup(H) == 0
+        assert tier.stats.errors == 1
+
+
+def test_async_questions_are_bounded_oldest_forgotten_first(redis_server: RedisServer) -> None:
+    with tier_for(redis_server) as tier:
+        store_all(tier.manager(synthetic_payload_bytes=8), H[:3])
+        lookups = AsyncLookups(tier.store, None, max_pending=1)
+        assert lookups.lookup(H[:1]) is None
+        assert lookups.lookup(H[:2]) is None  # forgets the H[:1] question
+        assert lookups.wait(timeout=30)
+        assert lookups.lookup(H[:1]) is None  # asked anew
+        assert lookups.wait(timeout=30)
+        assert lookups.lookup(H[:1]) == 1
+        lookups.close()
+        with pytest.raises(ValueError, match="max_pending must be >= 1"):
+            AsyncLookups(tier.store, None, max_pending=0)

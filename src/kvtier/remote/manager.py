@@ -13,7 +13,9 @@ by recomputing). The only local state is what is in flight, so caller mistakes
 clock, and a synchronous round trip just to age blocks served by an upper tier
 is not worth scheduler time.
 
-`synthetic_payload_bytes` is for replays that drive the bookkeeping without a
+`async_lookup=True` answers lookups from a background thread (None, "ask again",
+until the answer is in; see `async_lookup.py`), so the scheduler never waits on
+the network. `synthetic_payload_bytes` is for replays that drive the bookkeeping without a
 data plane: the manager then writes placeholder blocks of that size at
 `complete_store` and reads them back at `prepare_load`, so the server's
 contents (and the byte counters) behave as they would with real KV bytes.
@@ -30,6 +32,7 @@ from kvtier.offload.abstract import (
     OffloadingManager,
     PrepareStoreOutput,
 )
+from kvtier.remote.async_lookup import AsyncLookups
 from kvtier.remote.redis_store import RedisBlockStore
 from kvtier.types import BlockHash
 
@@ -68,6 +71,7 @@ class RemoteOffloadingManager(OffloadingManager):
         salt: str | None = None,
         enable_events: bool = False,
         synthetic_payload_bytes: int | None = None,
+        async_lookup: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -80,10 +84,23 @@ class RemoteOffloadingManager(OffloadingManager):
         self._loading: Counter[BlockHash] = Counter()
         self._storing: set[BlockHash] = set()
         self._synthetic = bytes(synthetic_payload_bytes) if synthetic_payload_bytes else None
+        self._async = AsyncLookups(store, salt) if async_lookup else None
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
+        """Leading blocks in Redis (one round trip); with `async_lookup`, None until known."""
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        if self._async is not None:
+            return self._async.lookup(hashes)
         return self.store.count_prefix(hashes, self.salt)
+
+    def wait_lookups(self, timeout: float | None = None) -> bool:
+        """Block until asynchronous lookups have answers; True at once when synchronous."""
+        return self._async.wait(timeout) if self._async is not None else True
+
+    def close(self) -> None:
+        """Stop the background lookup thread, if any (the store is the tier's to close)."""
+        if self._async is not None:
+            self._async.close()
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         hashes = _distinct("prepare_load", block_hashes)

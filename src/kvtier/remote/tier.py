@@ -43,6 +43,7 @@ class RemoteTier:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.store = store
         self.block_size = block_size
+        self._managers: list[RemoteOffloadingManager] = []
 
     @classmethod
     def from_url(
@@ -73,15 +74,19 @@ class RemoteTier:
         *,
         enable_events: bool = False,
         synthetic_payload_bytes: int | None = None,
+        async_lookup: bool = False,
     ) -> RemoteOffloadingManager:
         """An offloading manager over this tier's store (one per cache salt / tenant)."""
-        return RemoteOffloadingManager(
+        manager = RemoteOffloadingManager(
             self.store,
             self.block_size,
             salt=salt,
             enable_events=enable_events,
             synthetic_payload_bytes=synthetic_payload_bytes,
+            async_lookup=async_lookup,
         )
+        self._managers.append(manager)
+        return manager
 
     def kv_store(self, layout: KVLayout) -> RedisKVStore:
         """This tier as a `BlockStore` for `TransferWorker.for_store(kv, ...)`."""
@@ -92,6 +97,8 @@ class RemoteTier:
         return self.store.stats
 
     def close(self) -> None:
+        for manager in self._managers:
+            manager.close()
         self.store.close()
 
     def __enter__(self) -> RemoteTier:

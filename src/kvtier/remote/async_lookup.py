@@ -1,0 +1,59 @@
+"""Lookups answered off the scheduler thread: vLLM's "None means ask again".
+
+A synchronous lookup costs the scheduler one Redis round trip per request per
+step. With this, the first `lookup` of a prefix submits it to a background
+thread and answers None; the scheduler asks again on a later step and gets the
+count once it is there (and a repeated question after that starts a fresh one,
+so an answer is never older than one scheduling round). Unanswered questions
+are bounded: the oldest is forgotten first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+from kvtier.remote.redis_store import RedisBlockStore
+from kvtier.types import BlockHash
+
+log = logging.getLogger(__name__)
+
+
+class AsyncLookups:
+    def __init__(self, store: RedisBlockStore, salt: str | None, max_pending: int = 4096) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.store = store
+        self.salt = salt
+        self.max_pending = max_pending
+        self._pending: OrderedDict[tuple[BlockHash, ...], Future[int]] = OrderedDict()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> int | None:
+        key = tuple(block_hashes)
+        future = self._pending.get(key)
+        if future is None:
+            if len(self._pending) >= self.max_pending:
+                self._pending.popitem(last=False)
+            self._pending[key] = self._executor.submit(
+                self.store.count_prefix, list(block_hashes), self.salt
+            )
+            return None
+        if not future.done():
+            return None
+        del self._pending[key]
+        try:
+            return future.result()
+        except Exception:  # count_prefix never raises; a bug must not reach the scheduler
+            log.exception("remote tier: background lookup failed; answering a miss")
+            return 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every submitted lookup has an answer (for tests and shutdown)."""
+        return not wait(list(self._pending.values()), timeout=timeout).not_done
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
