@@ -1,0 +1,88 @@
+"""The reuse filter (docs/SEMANTICS.md section 5) and its store-offer counting option."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
+from kvtier.types import BlockHash, int_block_hash
+
+
+def h(*ids: int) -> list[BlockHash]:
+    return [int_block_hash(i) for i in ids]
+
+
+def stored(f: FilterReusedOffloadingManager, *ids: int) -> list[BlockHash]:
+    out = f.prepare_store(h(*ids))
+    assert out is not None
+    f.complete_store(out.block_hashes_to_store)
+    return out.block_hashes_to_store
+
+
+def make(**kwargs: int | bool) -> FilterReusedOffloadingManager:
+    return FilterReusedOffloadingManager(CPUOffloadingManager(16, 8), **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"store_threshold": 1}, "store_threshold"), ({"max_tracker_size": 0}, "max_tracker_size")],
+)
+def test_bad_arguments_are_rejected(kwargs: dict[str, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make(**kwargs)
+
+
+def test_stores_only_blocks_seen_threshold_times_in_lookups() -> None:
+    f = make()
+    assert f.lookup(h(1, 2)) == 0  # counts every input hash, hit or not
+    assert stored(f, 1, 2) == []
+    assert f.lookup(h(1, 3)) == 0
+    assert stored(f, 1, 2, 3) == h(1)
+    assert f.lookup(h(1)) == 1
+    assert f.counters.filtered_out == 2 + 2
+
+
+def test_threshold_three() -> None:
+    f = make(store_threshold=3)
+    f.lookup(h(1))
+    f.lookup(h(1))
+    assert stored(f, 1) == []
+    f.lookup(h(1))
+    assert stored(f, 1) == h(1)
+
+
+def test_full_tracker_drops_the_least_recently_seen_hash() -> None:
+    f = make(max_tracker_size=2)
+    f.lookup(h(1, 2))
+    f.lookup(h(1))  # 2 is now the least recently seen
+    f.lookup(h(3))  # full: 2 is dropped
+    assert list(f.counts) == h(1, 3)
+    f.lookup(h(2))  # back at 1, dropping 1
+    assert dict(f.counts) == {int_block_hash(3): 1, int_block_hash(2): 1}
+    assert stored(f, 1, 2, 3) == []
+
+
+def test_everything_else_is_delegated() -> None:
+    backing = CPUOffloadingManager(16, 4, enable_events=True)
+    f = FilterReusedOffloadingManager(backing)
+    f.lookup(h(1))
+    f.lookup(h(1))
+    assert stored(f, 1) == h(1)
+    spec = f.prepare_load(h(1))
+    assert spec.block_ids.tolist() == [0]  # type: ignore[attr-defined]
+    f.touch(h(1))
+    f.complete_load(h(1))
+    assert [e.removed for e in f.take_events()] == [False]
+    out = f.prepare_store(h(1))
+    assert out is not None and out.block_hashes_to_store == []  # present: nothing to do
+    c = f.counters
+    assert (c.lookups, c.loaded_blocks, c.stored_blocks) == (2, 1, 1)
+
+
+def test_counting_store_offers_instead_of_lookups() -> None:
+    f = make(count_store_offers=True)
+    f.lookup(h(1, 2))
+    f.lookup(h(1, 2))
+    assert f.counts == {}  # lookups are not counted in this mode
+    assert stored(f, 1, 2) == []  # first offer
+    assert stored(f, 2, 1) == h(2, 1)  # second offer: stored, input order kept
