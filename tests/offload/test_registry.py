@@ -25,9 +25,9 @@ class MRUPolicy(LRUCachePolicy):
         victims: Victims = []
         for key in reversed(self.keys()):
             block = self.get(key)
-            if len(victims) < n and block is not None and block.ref_cnt == 0:
-                if key not in protected:
-                    victims.append((key, block))
+            evictable = block is not None and block.ref_cnt == 0 and key not in protected
+            if evictable and len(victims) < n:
+                victims.append((key, block))  # type: ignore[arg-type]
         if len(victims) < n:
             return None
         for key, _ in victims:
