@@ -154,7 +154,7 @@ def require_redis() -> str:
     return REDIS_BIN
 
 
-def _serve(tmp_path: Path, password: str | None = None, *args: str) -> Iterator[RedisServer]:
+def serve_redis(tmp_path: Path, password: str | None = None, *args: str) -> Iterator[RedisServer]:
     require_redis()
     server = RedisServer(tmp_path, password, *args)
     server.start()
@@ -168,7 +168,7 @@ def _serve(tmp_path: Path, password: str | None = None, *args: str) -> Iterator[
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    yield from _serve(tmp_path)
+    yield from serve_redis(tmp_path)
 
 
 @pytest.fixture(scope="session")
@@ -193,7 +193,7 @@ def redis_server_tls(tmp_path: Path, tls_files: TLSFiles) -> Iterator[RedisServe
 
 @pytest.fixture
 def redis_server_with_password(tmp_path: Path) -> Iterator[RedisServer]:
-    yield from _serve(tmp_path, "s3cret-pw")
+    yield from serve_redis(tmp_path, "s3cret-pw")
 
 
 class FakeClock:

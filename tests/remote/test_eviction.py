@@ -11,7 +11,7 @@ from kvtier.remote.breaker import BreakerState
 from kvtier.remote.config import RemoteConfig
 from kvtier.remote.redis_store import RedisBlockStore
 from kvtier.types import int_block_hash
-from tests.remote.conftest import FakeClock, RedisServer, _serve
+from tests.remote.conftest import FakeClock, RedisServer, serve_redis
 
 FP = "model=tiny|dtype=fp16|block=16|format=1"
 BLOCK = 64 * 1024
@@ -20,12 +20,14 @@ HASHES = [int_block_hash(i) for i in range(160)]  # 10 MiB of blocks into 4 MiB
 
 @pytest.fixture
 def small_lru_server(tmp_path: Path) -> Iterator[RedisServer]:
-    yield from _serve(tmp_path, None, "--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    yield from serve_redis(
+        tmp_path, None, "--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"
+    )
 
 
 @pytest.fixture
 def small_noeviction_server(tmp_path: Path) -> Iterator[RedisServer]:
-    yield from _serve(tmp_path, None, "--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
+    yield from serve_redis(tmp_path, None, "--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
 
 
 def test_lru_server_evicts_and_lookups_stop_at_the_first_hole(
