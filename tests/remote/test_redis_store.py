@@ -155,3 +155,17 @@ def test_single_block_and_scripted_lookups_agree_on_refusals(redis_server: Redis
     assert store.count_prefix(HASHES[:1]) == 0  # one key: pipelined
     assert store.count_prefix(HASHES) == 0  # several: scripted
     assert store.stats.foreign_blocks == 2
+
+
+def test_a_key_of_another_type_is_refused_not_an_error(redis_server: RedisServer) -> None:
+    store = connect(redis_server)
+    store.store(HASHES, PAYLOADS)
+    client = redis_server.client()
+    client.delete(store.key(HASHES[4]))
+    client.rpush(store.key(HASHES[4]), b"someone else's list")
+    assert store.count_prefix(HASHES) == 4  # scripted
+    assert store.count_prefix(HASHES[4:5]) == 0  # pipelined
+    assert store.load(HASHES[4:5]) == [None]
+    stats = store.stats
+    assert (stats.malformed_blocks, stats.errors) == (2, 0)
+    client.close()

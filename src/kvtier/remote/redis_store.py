@@ -253,7 +253,10 @@ class RedisBlockStore:
         for key in keys:
             pipe.getrange(key, 0, HEADER_SIZE - 1)
         check = self.codec.check_prefix
-        for i, (block_hash, prefix) in enumerate(zip(block_hashes, pipe.execute(), strict=True)):
+        replies = pipe.execute(raise_on_error=False)  # a key of another type: refused, below
+        for i, (block_hash, prefix) in enumerate(zip(block_hashes, replies, strict=True)):
+            if isinstance(prefix, ResponseError):
+                return i, b"not a string value"
             if not prefix:
                 return i, b""
             if check(block_hash, prefix) is not DecodeStatus.OK:
@@ -288,7 +291,8 @@ class RedisBlockStore:
         pipe = client.pipeline(transaction=False)
         for key in keys:
             pipe.get(key)
-        return list(pipe.execute())
+        replies = pipe.execute(raise_on_error=False)  # (MGET reads other types as nil)
+        return [b"" if isinstance(r, ResponseError) else r for r in replies]
 
     def _guarded(self, what: str, call: Callable[[], T], fallback: T) -> T:
         """Run one server call under the breaker; a failure becomes `fallback`."""

@@ -16,12 +16,16 @@ from kvtier.remote.codec import HEADER_SIZE, BlockCodec
 from kvtier.remote.config import RedisClient
 
 # Walk the keys in order and stop at the first whose header does not start with
-# the expected 32 bytes (absent keys read as ''); return that count and the
-# stopper's header so the client can say why it was refused. One command and
-# one short reply instead of N replies: about half the per-block cost.
+# the expected 32 bytes (absent keys read as ''; a key of another type, e.g. a
+# list someone wrote, reads as a refused header, not an error); return that count
+# and the stopper's header so the client can say why it was refused. One command
+# and one short reply instead of N replies: about half the per-block cost.
 PREFIX_LUA = """
 for i, key in ipairs(KEYS) do
-  local header = redis.call('GETRANGE', key, 0, 47)
+  local header = redis.pcall('GETRANGE', key, 0, 47)
+  if type(header) ~= 'string' then
+    return {i - 1, 'not a string value'}
+  end
   if string.sub(header, 1, 32) ~= ARGV[i] then
     return {i - 1, header}
   end
