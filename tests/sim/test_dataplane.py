@@ -45,3 +45,25 @@ def test_corrupt_slot_fails_the_load_and_is_counted() -> None:
         assert dp.verify_failures == 1 and dp.checksum_failures == 2
     finally:
         dp.close()
+
+
+def test_bytes_through_the_disk_cascade() -> None:
+    workload = generate_workload(GeneratorConfig(num_requests=60), seed=5)
+    config = ReplayConfig("lru", cpu_blocks=20, disk_blocks=600)
+    plain = replay(workload, config)
+    moved = replay(workload, ReplayConfig("lru", cpu_blocks=20, disk_blocks=600, data=True))
+    assert moved.prefix_hit_blocks == plain.prefix_hit_blocks
+    assert [t.hit_blocks for t in moved.tiers] == [t.hit_blocks for t in plain.tiers]
+    cpu, disk = moved.tiers
+    assert disk.hit_blocks > 0 and disk.bytes_loaded > 0 and disk.bytes_stored > 0
+    size = small_layout(workload.block_size).bytes_per_block
+    assert disk.bytes_loaded == disk.hit_blocks * size
+    assert cpu.bytes_loaded == cpu.hit_blocks * size
+    assert cpu.checksum_failures == disk.checksum_failures == 0
+
+
+def test_data_refuses_what_it_cannot_move() -> None:
+    with pytest.raises(ValueError, match="bookkeeping-only"):
+        ReplayConfig(data=True, gpu_blocks=10, disk_blocks=10)
+    with pytest.raises(ValueError, match="store_on"):
+        ReplayConfig(data=True, gpu_blocks=10, store_on="evict")

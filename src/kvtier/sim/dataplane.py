@@ -14,6 +14,8 @@ uint8): the point is to exercise every copy path, not to benchmark bandwidth.
 
 from __future__ import annotations
 
+import tempfile
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,9 +45,13 @@ def small_layout(block_size: int) -> KVLayout:
 
 
 class DataPlane:
-    """An engine cache of `device_blocks`, a host slot store of `cpu_slots`, one worker."""
+    """An engine cache of `device_blocks`, host slots for the CPU tier, one worker; with
+    `disk_blocks`, also a disk store in a temporary directory behind the cascade's worker.
+    """
 
-    def __init__(self, layout: KVLayout, device_blocks: int, cpu_slots: int) -> None:
+    def __init__(
+        self, layout: KVLayout, device_blocks: int, cpu_slots: int, disk_blocks: int = 0
+    ) -> None:
         from kvtier.store.memory import MemoryStore
         from kvtier.transfer.device import DeviceKV, allocate_kv_caches
         from kvtier.transfer.worker import TransferWorker
@@ -53,13 +59,51 @@ class DataPlane:
         self.layout = layout
         self.kv = DeviceKV(layout, allocate_kv_caches(layout, device_blocks))
         self.host = MemoryStore(layout, cpu_slots, checksums=True)
-        self.worker = TransferWorker.for_store(self.kv, self.host)
+        self.disk_store: Any = None
+        self._handler: Any = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if disk_blocks:
+            self.worker = self._cascade_worker(disk_blocks)
+        else:
+            self.worker = TransferWorker.for_store(self.kv, self.host)
         self._segments: list[npt.NDArray[np.uint8]] = [s.numpy() for s in self.kv.segments]
         self._job = 0
-        self.bytes_stored = 0
-        self.bytes_loaded = 0
+        # (tier, "stored" | "loaded") -> bytes, as the specs split them between tiers.
+        self.moved: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.failed_jobs = 0
         self.verify_failures = 0
+
+    def _cascade_worker(self, disk_blocks: int) -> Any:
+        from kvtier.store.disk import DiskStore
+        from kvtier.transfer.cascade import CascadeHandler
+        from kvtier.transfer.worker import TransferWorker
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvtier-replay-disk-")
+        capacity = DiskStore.capacity_for(self.layout, disk_blocks)
+        # No fsync: a replay checks that the right bytes come back, not crash durability
+        # (the disk tier's own tests do), and an fsync per block would dominate the run.
+        self.disk_store = DiskStore(self._tmp.name, self.layout, capacity, fsync=False)
+        self._handler = CascadeHandler(self.kv, self.host, self.disk_store)
+        return TransferWorker(self._handler, ordered=True)
+
+    def take_lost(self) -> list[BlockHash]:
+        """Disk blocks whose demotion failed: the cascade must forget them."""
+        return self._handler.take_lost() if self._handler is not None else []
+
+    def _count(self, direction: str, spec: LoadStoreSpec, num_blocks: int) -> None:
+        """Bytes per tier: a cascade spec says which blocks hit memory and which disk."""
+        size = self.layout.bytes_per_block
+        disk_positions = getattr(spec, "disk_positions", None)
+        if disk_positions is None:
+            self.moved["cpu", direction] += num_blocks * size
+            return
+        self.moved["cpu", direction] += len(getattr(spec, "cpu_positions", ())) * size
+        self.moved["disk", direction] += len(disk_positions) * size
+        promoted = len(getattr(spec, "promotion_positions", ()))
+        demotion = getattr(spec, "demotion", None)
+        self.moved["cpu", "stored"] += promoted * size
+        if demotion is not None:
+            self.moved["disk", "stored"] += len(demotion.block_hashes) * size
 
     def _contents(self, hashes: Sequence[BlockHash], segment: int) -> npt.NDArray[np.uint8]:
         """What the blocks' bytes must be: each hash (and the segment number) repeated."""
@@ -90,8 +134,9 @@ class DataPlane:
         return result.ok, result.bytes
 
     def store(self, device_ids: Sequence[int], spec: LoadStoreSpec) -> bool:
-        ok, moved = self._run(self.worker.submit_store, list(device_ids), spec)
-        self.bytes_stored += moved
+        ok, _ = self._run(self.worker.submit_store, list(device_ids), spec)
+        if ok:
+            self._count("stored", spec, len(device_ids))
         return ok
 
     def load(
@@ -101,8 +146,9 @@ class DataPlane:
         device_ids = list(device_ids)
         for seg in self._segments:  # so stale bytes cannot pass for a correct load
             seg[list(device_ids)] = 0
-        ok, moved = self._run(self.worker.submit_load, spec, list(device_ids))
-        self.bytes_loaded += moved
+        ok, _ = self._run(self.worker.submit_load, spec, list(device_ids))
+        if ok:
+            self._count("loaded", spec, len(device_ids))
         return ok and self.verify(device_ids, hashes)
 
     def verify(self, device_ids: Sequence[int], hashes: Sequence[BlockHash]) -> bool:
@@ -116,15 +162,30 @@ class DataPlane:
         return True
 
     @property
+    def bytes_stored(self) -> int:
+        return sum(n for (_, d), n in self.moved.items() if d == "stored")
+
+    @property
+    def bytes_loaded(self) -> int:
+        return sum(n for (_, d), n in self.moved.items() if d == "loaded")
+
+    @property
     def checksum_failures(self) -> int:
-        return self.host.num_checksum_failures + self.verify_failures
+        disk = self.disk_store.stats().checksum_failures if self.disk_store is not None else 0
+        return self.host.num_checksum_failures + disk + self.verify_failures
 
     def close(self) -> None:
         self.worker.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
 
 def data_offload_loop(
-    workload: Workload, manager: OffloadingManager, c: TierCounters, dp: DataPlane
+    workload: Workload,
+    manager: OffloadingManager,
+    c: TierCounters,
+    dp: DataPlane,
+    cascade: Any = None,
 ) -> tuple[int, int, int, int]:
     """The offload-only replay with bytes: loads verified, failed loads recomputed.
 
@@ -141,7 +202,11 @@ def data_offload_loop(
         if hit:
             loaded = hs[:hit]
             ok = dp.load(manager.prepare_load(loaded), range(hit), loaded)
-            manager.complete_load(loaded)
+            if cascade is not None:  # it settles the promotions the load carried
+                cascade.complete_load(loaded, ok)
+                _forget_lost(cascade, dp)
+            else:
+                manager.complete_load(loaded)
             hit = hit if ok else 0  # a failed or corrupt load is a miss: recompute
         prefix_hits += hit
         hit_tokens += min(hit * bs, request.input_length)
@@ -150,9 +215,17 @@ def data_offload_loop(
         if hit < n:
             dp.compute(range(hit, n), hs[hit:])
             _store(manager, c, dp, hs, hit, resident)
+            if cascade is not None:
+                _forget_lost(cascade, dp)
     c.bytes_stored, c.bytes_loaded = dp.bytes_stored, dp.bytes_loaded
     c.checksum_failures = dp.checksum_failures
     return any_hits, prefix_hits, hit_tokens, saved
+
+
+def _forget_lost(cascade: Any, dp: DataPlane) -> None:
+    lost = dp.take_lost()
+    if lost:
+        cascade.discard_disk_blocks(lost)
 
 
 def _store(

@@ -66,10 +66,13 @@ class ReplayConfig:
             raise ValueError(f"cpu_frac must be in (0, 1], got {self.cpu_frac}")
         if self.store_on not in ("compute", "evict"):
             raise ValueError(f"store_on must be 'compute' or 'evict', got {self.store_on!r}")
-        if self.data and (self.disk_blocks or self.redis_url or self.time_model):
+        if self.data and (
+            self.redis_url or self.time_model or (self.disk_blocks and self.gpu_blocks)
+        ):
             raise ValueError(
-                "data=True moves bytes for the CPU (and GPU) tiers of a sequential replay "
-                "only; disk, Redis and the concurrency model run bookkeeping-only"
+                "data=True moves bytes in a sequential replay through the CPU tier (with a "
+                "GPU tier), or the CPU->disk cascade (without one); Redis and the "
+                "concurrency model run bookkeeping-only"
             )
         if self.data and self.store_on == "evict":
             raise ValueError("data=True needs store_on='compute' (evicted blocks' bytes are gone)")
@@ -105,15 +108,12 @@ def replay(
         return replay_with_connector(workload, config, progress)
     from kvtier.sim.tiers import build_tiers
 
+    if config.data:
+        return _replay_with_data(workload, config)
     tiers = build_tiers(workload, config)
     total = TierCounters("cpu", tiers.cpu_capacity, config.policy)
     try:
-        if config.data:
-            result = _replay_with_data(workload, tiers.manager, total)
-        else:
-            result = replay_offload_only(
-                workload, tiers.manager, total, progress, config.time_model
-            )
+        result = replay_offload_only(workload, tiers.manager, total, progress, config.time_model)
     finally:
         tiers.close()
     if tiers.chain is None and tiers.local is None:
@@ -122,19 +122,37 @@ def replay(
     return dataclasses.replace(result, tiers=tuple(per_tier))
 
 
-def _replay_with_data(
-    workload: Workload, manager: OffloadingManager, total: TierCounters
-) -> ReplayResult:
+def _replay_with_data(workload: Workload, config: ReplayConfig) -> ReplayResult:
+    """The offload-only replay with real bytes (CPU tier, or the CPU->disk cascade)."""
     from kvtier.sim.dataplane import DataPlane, data_offload_loop, small_layout
+    from kvtier.sim.tiers import build_tiers
 
     longest = max((len(ids) for ids in workload.block_ids), default=1)
-    dp = DataPlane(small_layout(workload.block_size), max(1, longest), max(1, total.capacity))
-    started = time.perf_counter()
+    capacity = config.cpu_capacity(workload)
+    layout = small_layout(workload.block_size)
+    dp = DataPlane(layout, max(1, longest), max(1, capacity), config.disk_blocks)
     try:
-        tallies = data_offload_loop(workload, manager, total, dp)
+        tiers = build_tiers(workload, config, disk_store=dp.disk_store)
+        total = TierCounters("cpu", capacity, config.policy)
+        started = time.perf_counter()
+        cascade = tiers.local.inner if tiers.local is not None else None
+        tallies = data_offload_loop(workload, tiers.manager, total, dp, cascade)
+        seconds = time.perf_counter() - started
     finally:
         dp.close()
-    return _result(workload, total, tallies, time.perf_counter() - started)
+    result = _result(workload, total, tallies, seconds)
+    if tiers.local is None:
+        return result
+    per_tier = []
+    for t in tiers.stats(total, workload.block_refs, workload.block_size):
+        stored, loaded = dp.moved[t.name, "stored"], dp.moved[t.name, "loaded"]
+        failures = dp.checksum_failures if t.name == "cpu" else 0
+        per_tier.append(
+            dataclasses.replace(
+                t, bytes_stored=stored, bytes_loaded=loaded, checksum_failures=failures
+            )
+        )
+    return dataclasses.replace(result, tiers=tuple(per_tier))
 
 
 def replay_offload_only(

@@ -120,7 +120,8 @@ class OffloadTiers:
             self.remote.close()
 
 
-def build_tiers(workload: Workload, config: ReplayConfig) -> OffloadTiers:
+def build_tiers(workload: Workload, config: ReplayConfig, disk_store: Any = None) -> OffloadTiers:
+    """`disk_store`: a data plane's `DiskStore`, whose manager then serves as the disk tier."""
     from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
 
     capacity = config.cpu_capacity(workload)
@@ -130,7 +131,7 @@ def build_tiers(workload: Workload, config: ReplayConfig) -> OffloadTiers:
         cpu = FilterReusedOffloadingManager(cpu, store_threshold=config.store_threshold)
     tiers = OffloadTiers(cpu, capacity, config.policy, disk_capacity=config.disk_blocks)
     if config.disk_blocks:
-        tiers.local = _cascade(workload, config)
+        tiers.local = _cascade(workload, config, disk_store)
         tiers.manager = tiers.local
     if config.redis_url is not None:
         from kvtier.remote.tier import RemoteTier
@@ -144,7 +145,7 @@ def build_tiers(workload: Workload, config: ReplayConfig) -> OffloadTiers:
     return tiers
 
 
-def _cascade(workload: Workload, config: ReplayConfig) -> MediumTally:
+def _cascade(workload: Workload, config: ReplayConfig, disk_store: Any) -> MediumTally:
     """CPU memory then local disk (demotion on CPU eviction, promotion on load)."""
     from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
     from kvtier.offload.cascade import CascadeOffloadingManager
@@ -154,9 +155,13 @@ def _cascade(workload: Workload, config: ReplayConfig) -> MediumTally:
     cpu = CPUOffloadingManager(
         bs, config.cpu_capacity(workload), cache_policy=config.policy, enable_events=True
     )
-    disk: OffloadingManager = DiskOffloadingManager(
-        bs, config.disk_blocks, cache_policy=config.policy, enable_events=True
-    )
+    disk: OffloadingManager
+    if disk_store is not None:  # evictions delete the files
+        disk = disk_store.manager(bs, cache_policy=config.policy, enable_events=True)
+    else:
+        disk = DiskOffloadingManager(
+            bs, config.disk_blocks, cache_policy=config.policy, enable_events=True
+        )
     if config.store_threshold:  # the reuse filter as disk admission, as the cascade allows
         disk = FilterReusedOffloadingManager(disk, store_threshold=config.store_threshold)
     cascade = CascadeOffloadingManager(cpu, disk, enable_events=True)
