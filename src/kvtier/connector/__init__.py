@@ -1,6 +1,7 @@
 """The scheduler-side connector an engine embeds between its accelerator pool and
 the offload tiers (see `kvtier.connector.scheduler`)."""
 
+from kvtier.connector.chain import ChainSpec, TierChain, TierTally
 from kvtier.connector.scheduler import (
     Admission,
     ConnectorCounters,
@@ -9,4 +10,13 @@ from kvtier.connector.scheduler import (
     TransferJob,
 )
 
-__all__ = ["Admission", "ConnectorCounters", "OffloadConnector", "StoreOn", "TransferJob"]
+__all__ = [
+    "Admission",
+    "ChainSpec",
+    "ConnectorCounters",
+    "OffloadConnector",
+    "StoreOn",
+    "TierChain",
+    "TierTally",
+    "TransferJob",
+]
