@@ -187,7 +187,7 @@ def test_completing_a_load_twice_raises_and_unpins_nothing(policy: str) -> None:
         m.complete_load(h(9))
 
 
-@pytest.mark.parametrize("call", ["prepare_load", "complete_load", "prepare_store"])
+@pytest.mark.parametrize("call", ["prepare_load", "prepare_store"])
 def test_duplicate_hashes_in_one_call_are_rejected(policy: str, call: str) -> None:
     m = CPUOffloadingManager(16, 4, policy)
     store(m, 1)
@@ -196,6 +196,18 @@ def test_duplicate_hashes_in_one_call_are_rejected(policy: str, call: str) -> No
         getattr(m, call)(h(1, 2, 1))
     assert len(m) == 1 and m.lookup(h(1)) == 1
     m.complete_load(h(1))
+
+
+def test_complete_load_releases_one_load_per_listing(policy: str) -> None:
+    m = CPUOffloadingManager(16, 4, policy)
+    store(m, 1)
+    m.prepare_load(h(1))
+    with pytest.raises(ValueError, match="not being loaded"):
+        m.complete_load(h(1, 1))  # two releases, one load: rejected, nothing released
+    m.prepare_load(h(1))
+    m.complete_load(h(1, 1))  # two loads: both released
+    with pytest.raises(ValueError, match="not being loaded"):
+        m.complete_load(h(1))
 
 
 def test_counters_record_what_happened() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvtier.offload._fast import block_id
 from kvtier.offload.backend import Backend, BlockStatus
 from kvtier.offload.mediums import CPULoadStoreSpec
 from kvtier.types import BlockHash
@@ -59,4 +60,4 @@ class CPUBackend(Backend):
     def get_load_store_spec(
         self, block_hashes: Sequence[BlockHash], blocks: Sequence[BlockStatus]
     ) -> CPULoadStoreSpec:
-        return CPULoadStoreSpec([block.block_id for block in blocks])
+        return CPULoadStoreSpec(list(map(block_id, blocks)))

@@ -15,12 +15,13 @@ per manager call; per-block loops run as C-level `map`/`filter` where they can.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Set
 from itertools import compress, repeat
 from operator import is_
-from typing import Literal, cast
+from types import MethodType
+from typing import Any, Literal
 
-from kvtier.offload._fast import first, ref_cnt, second
+from kvtier.offload._fast import ref_cnt
 from kvtier.offload.abstract import (
     LoadStoreSpec,
     OffloadingEvent,
@@ -33,6 +34,8 @@ from kvtier.offload.cpu import CPUBackend
 from kvtier.offload.policies.base import CachePolicy
 from kvtier.offload.policies.registry import create_policy
 from kvtier.types import BlockHash
+
+EvictSplit = Callable[[int, Set[BlockHash]], tuple[list[BlockHash], list[BlockStatus]] | None]
 
 
 def _as_list(block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
@@ -48,18 +51,25 @@ def _check_distinct(call: str, hashes: list[BlockHash]) -> set[BlockHash]:
     return distinct
 
 
-def _check_loadable(call: str, hashes: list[BlockHash], blocks: list[BlockStatus | None]) -> None:
-    """Raise for the first absent block, or the first one not in the state `call` needs."""
-    for block_hash, block in zip(hashes, blocks, strict=True):
-        if block is None:
-            raise KeyError(f"{call}: block {block_hash!r} is not stored")
-        if call == "prepare_load" and block.ref_cnt < 0:
-            raise ValueError(f"{call}: block {block_hash!r} is not ready (store in flight)")
-        if call == "complete_load" and block.ref_cnt <= 0:
-            raise ValueError(
-                f"{call}: block {block_hash!r} is not being loaded "
-                f"(ref_cnt {block.ref_cnt}, expected > 0)"
-            )
+def _not_loadable(call: str, block_hash: BlockHash, block: BlockStatus | None) -> Exception:
+    """The error for a block `call` cannot take, described as it was when seen."""
+    if block is None:
+        return KeyError(f"{call}: block {block_hash!r} is not stored")
+    if call == "prepare_load":
+        return ValueError(f"{call}: block {block_hash!r} is not ready (store in flight)")
+    return ValueError(
+        f"{call}: block {block_hash!r} is not being loaded (ref_cnt {block.ref_cnt}, expected > 0)"
+    )
+
+
+def _evict_split_of(policy: CachePolicy) -> EvictSplit:
+    """The policy's `evict_split`, unless a subclass overrode only `evict` below it."""
+    mro = type(policy).__mro__
+    evict_owner = next(c for c in mro if "evict" in vars(c))
+    split_owner = next(c for c in mro if "evict_split" in vars(c))
+    if mro.index(evict_owner) < mro.index(split_owner):
+        return MethodType(CachePolicy.evict_split, policy)
+    return policy.evict_split
 
 
 class PolicyOffloadingManager(OffloadingManager):
@@ -78,7 +88,12 @@ class PolicyOffloadingManager(OffloadingManager):
                 capacity = backend.get_num_free_blocks()
             policy = create_policy(policy, capacity)
         self.policy: CachePolicy = policy
+        # bound once: these run on every call
         self._get_many = policy.get_many
+        self._get_iter = policy.get_iter
+        self._touch = policy.touch
+        self._evict_split = _evict_split_of(policy)
+        self._mark_evictable = policy.mark_evictable
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self._num_present = 0
         self._lookups = self._queried = self._hits = self._loaded = 0
@@ -87,47 +102,56 @@ class PolicyOffloadingManager(OffloadingManager):
     # --- reading -----------------------------------------------------------
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
-        hashes = _as_list(block_hashes)
+        if type(block_hashes) is not list:
+            block_hashes = list(block_hashes)
         hits = 0
-        for block in self.policy.get_iter(hashes):
+        for block in self._get_iter(block_hashes):
             if block is None or block.ref_cnt < 0:
                 break
             hits += 1
         self._lookups += 1
-        self._queried += len(hashes)
+        self._queried += len(block_hashes)
         self._hits += hits
         return hits
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
-        hashes = _as_list(block_hashes)
-        _check_distinct("prepare_load", hashes)
-        blocks = self._get_many(hashes)
-        if blocks and (None in blocks or min(map(ref_cnt, blocks)) < 0):
-            _check_loadable("prepare_load", hashes, blocks)
-        ready = cast("list[BlockStatus]", blocks)
-        for block in ready:
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        if len(hashes) > 1 and len(set(hashes)) != len(hashes):
+            _check_distinct("prepare_load", hashes)
+        blocks: list[Any] = self._get_many(hashes)
+        for i, block in enumerate(blocks):
+            if block is None or block.ref_cnt < 0:
+                error = _not_loadable("prepare_load", hashes[i], block)
+                for pinned in blocks[:i]:  # undo: the state is unchanged after an error
+                    pinned.ref_cnt -= 1
+                raise error
             block.ref_cnt += 1
-        self._loaded += len(ready)
-        return self.backend.get_load_store_spec(hashes, ready)
+        self._loaded += len(blocks)
+        return self.backend.get_load_store_spec(hashes, blocks)
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
-        self.policy.touch(_as_list(block_hashes))
+        self._touch(block_hashes if type(block_hashes) is list else list(block_hashes))
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
-        hashes = _as_list(block_hashes)
-        _check_distinct("complete_load", hashes)
-        blocks = self._get_many(hashes)
-        if blocks and (None in blocks or min(map(ref_cnt, blocks)) <= 0):
-            _check_loadable("complete_load", hashes, blocks)
-        for block in cast("list[BlockStatus]", blocks):
+        """Unpin; a hash listed k times releases k loads (an error if fewer are in flight)."""
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        blocks: list[Any] = self._get_many(hashes)
+        for i, block in enumerate(blocks):
+            if block is None or block.ref_cnt <= 0:
+                error = _not_loadable("complete_load", hashes[i], block)
+                for released in blocks[:i]:  # undo: the state is unchanged after an error
+                    released.ref_cnt += 1
+                raise error
             block.ref_cnt -= 1
-        self.policy.mark_evictable(hashes)
+        self._mark_evictable(hashes)
 
     # --- writing -----------------------------------------------------------
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        hashes = _as_list(block_hashes)
-        protected = _check_distinct("prepare_store", hashes)
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        protected = set(hashes)
+        if len(protected) != len(hashes):
+            _check_distinct("prepare_store", hashes)
         to_store = list(compress(hashes, map(is_, self._get_many(hashes), repeat(None))))
         backend = self.backend
         if not to_store:
@@ -135,12 +159,12 @@ class PolicyOffloadingManager(OffloadingManager):
         evicted: list[BlockHash] = []
         num_to_evict = len(to_store) - backend.get_num_free_blocks()
         if num_to_evict > 0:
-            victims = self.policy.evict(num_to_evict, protected)
+            victims = self._evict_split(num_to_evict, protected)
             if victims is None:
                 self._rejections += 1
                 return None
-            evicted = list(map(first, victims))
-            backend.free_blocks(map(second, victims))
+            evicted = victims[0]
+            backend.free_blocks(victims[1])
             self._num_present -= len(evicted)
             self._evicted += len(evicted)
             if self.events is not None:
@@ -160,7 +184,7 @@ class PolicyOffloadingManager(OffloadingManager):
         )
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
-        hashes = _as_list(block_hashes)
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         blocks = self._get_many(hashes)
         if not (blocks and None not in blocks and max(map(ref_cnt, blocks)) < 0):
             # not the usual case (all in flight): keep only the in-flight ones
@@ -168,14 +192,14 @@ class PolicyOffloadingManager(OffloadingManager):
             hashes, blocks = list(compress(hashes, keep)), list(compress(blocks, keep))
             if not hashes:
                 return
-        in_flight = cast("list[BlockStatus]", blocks)
+        in_flight: list[Any] = blocks
         if not success:
             self._drop(hashes, in_flight)
             return
         for block in in_flight:
             block.ref_cnt = 0
         self._stored += len(hashes)
-        self.policy.mark_evictable(hashes)
+        self._mark_evictable(hashes)
         if self.events is not None:
             backend = self.backend
             stored = list(hashes)

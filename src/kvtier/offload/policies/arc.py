@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence, Set
+from itertools import islice, repeat
 
+from kvtier.offload._fast import consume, first, ref_cnt, second
 from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies.base import CachePolicy, Victims
 from kvtier.offload.policies.recency import RecencyList
@@ -38,18 +40,15 @@ class ARCCachePolicy(CachePolicy):
         return self._t2.get(key) if block is None else block
 
     def get_iter(self, keys: Iterable[BlockHash]) -> Iterator[BlockStatus | None]:
-        return map(self.get, keys)
+        t1, t2 = self._t1, self._t2
+        if t1.parked or t2.parked:
+            return map(self.get, keys)
+        keys = keys if isinstance(keys, list) else list(keys)
+        # T1's answer, defaulting to T2's: both C-level lookups, no Python call per key
+        return map(t1.order.get, keys, map(t2.order.get, keys))
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[BlockStatus | None]:
-        t1, t2 = self._t1, self._t2
-        blocks = list(map(t1.order.get, keys))
-        if None in blocks:
-            get2 = t2.order.get if not (t1.parked or t2.parked) else self.get
-            blocks = [
-                get2(key) if block is None else block
-                for key, block in zip(keys, blocks, strict=True)
-            ]
-        return blocks
+        return list(self.get_iter(keys))
 
     def insert(self, key: BlockHash, block: BlockStatus) -> None:
         self._t1.order[key] = block
@@ -58,12 +57,9 @@ class ARCCachePolicy(CachePolicy):
 
     def insert_many(self, keys: Sequence[BlockHash], blocks: Sequence[BlockStatus]) -> None:
         self._t1.order.update(zip(keys, blocks, strict=True))
-        b1, b2 = self.b1, self.b2
-        for key in keys:
-            if key in b1:
-                del b1[key]
-            elif key in b2:
-                del b2[key]
+        for ghost in (self.b1, self.b2):
+            if ghost:
+                consume(map(ghost.__delitem__, filter(ghost.__contains__, keys)))
 
     def remove(self, key: BlockHash) -> None:
         if self._t1.pop(key) is None:
@@ -73,37 +69,74 @@ class ARCCachePolicy(CachePolicy):
         t1, t2 = self._t1, self._t2
         t1_order, t2_order = t1.order, t2.order
         b1, b2 = self.b1, self.b2
+        any_parked = bool(t1.parked or t2.parked)
         for key in reversed(keys):
-            if key in t2_order:
-                t2_order.move_to_end(key)
-                continue
             if key in t1_order:
                 block = t1_order.pop(key)
-            elif t1.parked and key in t1.parked:
-                block = t1.pop(key)  # type: ignore[assignment]
-            elif t2.parked and t2.move_to_end(key):
-                continue
+                # a store in flight is not a second use: refresh it in T1
+                (t1_order if block.ref_cnt < 0 else t2_order)[key] = block
+            elif key in t2_order:
+                t2_order.move_to_end(key)
+            elif any_parked and self._touch_parked(key):
+                pass
             elif key in b1:
                 delta = max(1, len(b2) / len(b1))
                 self.target_t1_size = min(self.target_t1_size + delta, self.cache_capacity)
                 b1.move_to_end(key)
-                continue
             elif key in b2:
                 delta = max(1, len(b1) / len(b2))
                 self.target_t1_size = max(self.target_t1_size - delta, 0)
                 b2.move_to_end(key)
-                continue
-            else:
-                continue
-            # a store in flight is not a second use: refresh it in T1
-            (t1_order if block.ref_cnt < 0 else t2_order)[key] = block
+
+    def _touch_parked(self, key: BlockHash) -> bool:
+        """`touch` for a block parked in T1 or T2; False if it is in neither."""
+        block = self._t1.pop(key) if key in self._t1.parked else None
+        if block is not None:
+            (self._t1.order if block.ref_cnt < 0 else self._t2.order)[key] = block
+            return True
+        return self._t2.move_to_end(key) if key in self._t2.parked else False
 
     def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
+        split = self.evict_split(n, protected)
+        return None if split is None else list(zip(*split, strict=True))
+
+    def evict_split(
+        self, n: int, protected: Set[BlockHash]
+    ) -> tuple[list[BlockHash], list[BlockStatus]] | None:
         if n <= 0:
-            return []
-        if self._t1.has_evictable_parked() or self._t2.has_evictable_parked():
-            return self._evict_scanning(n, protected)
-        return self._evict_from_orders(n, protected)
+            return [], []
+        t1, t2 = self._t1, self._t2
+        if t1.has_evictable_parked() or t2.has_evictable_parked():
+            victims = self._evict_scanning(n, protected)
+            return (
+                None if victims is None else (list(map(first, victims)), list(map(second, victims)))
+            )
+        # the usual cases: every victim comes from one list's least recent end
+        target = int(self.target_t1_size)
+        if len(t1) - (n - 1) >= target:
+            split = self._evict_head(t1.order, self.b1, n, protected)
+        elif len(t1) < target:
+            split = self._evict_head(t2.order, self.b2, n, protected)
+        else:
+            split = None
+        return self._evict_from_orders(n, protected) if split is None else split
+
+    def _evict_head(
+        self,
+        order: OrderedDict[BlockHash, BlockStatus],
+        ghost: OrderedDict[BlockHash, None],
+        n: int,
+        protected: Set[BlockHash],
+    ) -> tuple[list[BlockHash], list[BlockStatus]] | None:
+        """The n least recent blocks of `order` if all are evictable (else None, no change)."""
+        keys = list(islice(order, n))
+        if len(keys) < n or not protected.isdisjoint(keys):
+            return None
+        blocks = list(map(order.__getitem__, keys))
+        if any(map(ref_cnt, blocks)):
+            return None
+        self._to_ghosts(keys, order, ghost)
+        return keys, blocks
 
     def _evict_scanning(self, n: int, protected: Set[BlockHash]) -> Victims | None:
         scan1, scan2 = self._t1.scan(protected), self._t2.scan(protected)
@@ -129,7 +162,9 @@ class ARCCachePolicy(CachePolicy):
         self._to_ghosts([key for key, _, was_t1 in chosen if not was_t1], None, self.b2)
         return [(key, block) for key, block, _ in chosen]
 
-    def _evict_from_orders(self, n: int, protected: Set[BlockHash]) -> Victims | None:
+    def _evict_from_orders(
+        self, n: int, protected: Set[BlockHash]
+    ) -> tuple[list[BlockHash], list[BlockStatus]] | None:
         """`_evict_scanning` inlined for the common case: no parked block can be a victim."""
         t1, t2 = self._t1, self._t2
         items1, items2 = iter(t1.order.items()), iter(t2.order.items())
@@ -168,7 +203,7 @@ class ARCCachePolicy(CachePolicy):
             t1.park(skipped1)
         if skipped2:
             t2.park(skipped2)
-        return victims
+        return list(map(first, victims)), list(map(second, victims))
 
     def _to_ghosts(
         self,
@@ -177,12 +212,12 @@ class ARCCachePolicy(CachePolicy):
         ghost: OrderedDict[BlockHash, None],
     ) -> None:
         """Move victims (from `order`, unless already removed) to a ghost list; trim it."""
-        for key in keys:
-            if order is not None:
-                del order[key]
-            ghost[key] = None
-        for _ in range(len(ghost) - self.cache_capacity):
-            ghost.popitem(last=False)
+        if order is not None:
+            consume(map(order.__delitem__, keys))
+        ghost.update(dict.fromkeys(keys))  # victims are never ghosts already: appended in order
+        excess = len(ghost) - self.cache_capacity
+        if excess > 0:
+            consume(map(ghost.popitem, repeat(False, excess)))
 
     def mark_evictable(self, keys: Sequence[BlockHash]) -> None:
         for lst in (self._t1, self._t2):

@@ -62,6 +62,20 @@ class CachePolicy(ABC):
     def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
         """Exactly n victims in eviction order, removed from the policy; or None, no change."""
 
+    def evict_split(
+        self, n: int, protected: Set[BlockHash]
+    ) -> tuple[list[BlockHash], list[BlockStatus]] | None:
+        """`evict` as (keys, blocks); override to skip building the pairs.
+
+        The manager calls this one. A subclass that overrides only `evict` (below a
+        class that overrides both) is still honoured: the manager then uses this
+        default, which calls `evict`.
+        """
+        victims = self.evict(n, protected)
+        if victims is None:
+            return None
+        return [key for key, _ in victims], [block for _, block in victims]
+
     def mark_evictable(self, keys: Sequence[BlockHash]) -> None:
         """Some of `keys` may just have dropped to `ref_cnt == 0` (loaded or stored).
 

@@ -59,10 +59,28 @@ class LRUCachePolicy(CachePolicy):
                 lst.move_to_end(key)
 
     def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
+        split = self.evict_split(n, protected)
+        return None if split is None else list(zip(*split, strict=True))
+
+    def evict_split(
+        self, n: int, protected: Set[BlockHash]
+    ) -> tuple[list[BlockHash], list[BlockStatus]] | None:
         if n <= 0:
-            return []
+            return [], []
+        order = self._list.order
         if not self._list.has_evictable_parked():
-            return self._evict_from_order(n, protected)
+            # the usual case: the n least recent blocks are all evictable
+            keys = list(islice(order, n))
+            if len(keys) == n and protected.isdisjoint(keys):
+                blocks = list(map(order.__getitem__, keys))
+                if not any(map(ref_cnt, blocks)):
+                    consume(map(order.__delitem__, keys))
+                    return keys, blocks
+        victims = self._evict_scanning(n, protected)
+        return None if victims is None else (list(map(first, victims)), list(map(second, victims)))
+
+    def _evict_scanning(self, n: int, protected: Set[BlockHash]) -> Victims | None:
+        """Walk from the least recent end, parking the blocks passed over."""
         scan = self._list.scan(protected)
         victims: Victims = []
         while len(victims) < n:
@@ -72,35 +90,6 @@ class LRUCachePolicy(CachePolicy):
                 return None
             victims.append(victim)
         scan.commit()
-        return victims
-
-    def _evict_from_order(self, n: int, protected: Set[BlockHash]) -> Victims | None:
-        """The common case, inlined: no parked block can be a victim."""
-        lst = self._list
-        order = lst.order
-        head = list(islice(order.items(), n))
-        if (
-            len(head) == n
-            and protected.isdisjoint(map(first, head))
-            and not any(map(ref_cnt, map(second, head)))
-        ):  # the usual case: the n least recent blocks are all evictable
-            consume(map(order.__delitem__, map(first, head)))
-            return head
-        victims: Victims = []
-        skipped: list[BlockHash] = []
-        for item in order.items():
-            if item[1].ref_cnt == 0 and item[0] not in protected:
-                victims.append(item)
-                if len(victims) == n:
-                    break
-            else:
-                skipped.append(item[0])
-        else:
-            return None
-        for key, _ in victims:
-            del order[key]
-        if skipped:
-            lst.park(skipped)
         return victims
 
     def mark_evictable(self, keys: Sequence[BlockHash]) -> None:
