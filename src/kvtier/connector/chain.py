@@ -168,6 +168,18 @@ class TierChain(OffloadingManager):
         gone = [h for h in dict.fromkeys(evicted) if not self._anywhere(h)]
         return PrepareStoreOutput(list(stored), ChainSpec(parts), gone)
 
+    def complete_part(self, name: str, block_hashes: Iterable[BlockHash], success: bool) -> None:
+        """Settle one tier's part of the stores (its own transfer job succeeded or not)."""
+        k = [n for n, _ in self.tiers].index(name)
+        hashes = [h for h in block_hashes if k in self._stores.get(h, ())]
+        for h in hashes:
+            self._stores[h].remove(k)
+            if not self._stores[h]:
+                del self._stores[h]
+        self.tiers[k][1].complete_store(hashes, success)
+        if success:
+            self.resident[k].update(hashes)
+
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Settle every tier's part of the stores of these hashes."""
         by_tier: defaultdict[int, list[BlockHash]] = defaultdict(list)

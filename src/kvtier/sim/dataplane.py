@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.connector.chain import ChainSpec, TierChain
 from kvtier.offload.abstract import LoadStoreSpec, OffloadingManager
 from kvtier.sim.metrics import TierCounters
 from kvtier.sim.workload import Workload
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
     from kvtier.store.layout import KVLayout
 
 
-def small_layout(block_size: int) -> KVLayout:
+def small_layout(block_size: int, model_id: str = "kvtier-replay") -> KVLayout:
+    """`model_id` is part of the fingerprint, so it also namespaces blocks in Redis."""
     from kvtier.store.layout import KVLayout
 
     return KVLayout(
@@ -40,7 +42,7 @@ def small_layout(block_size: int) -> KVLayout:
         head_size=4,
         block_size=block_size,
         dtype="uint8",
-        model_id="kvtier-replay",
+        model_id=model_id,
     )
 
 
@@ -50,8 +52,14 @@ class DataPlane:
     """
 
     def __init__(
-        self, layout: KVLayout, device_blocks: int, cpu_slots: int, disk_blocks: int = 0
+        self,
+        layout: KVLayout,
+        device_blocks: int,
+        cpu_slots: int,
+        disk_blocks: int = 0,
+        remote: Any = None,
     ) -> None:
+        """`remote`: a `RemoteTier` opened for `layout`; its blocks get their own worker."""
         from kvtier.store.memory import MemoryStore
         from kvtier.transfer.device import DeviceKV, allocate_kv_caches
         from kvtier.transfer.worker import TransferWorker
@@ -66,12 +74,17 @@ class DataPlane:
             self.worker = self._cascade_worker(disk_blocks)
         else:
             self.worker = TransferWorker.for_store(self.kv, self.host)
+        self.remote = remote
+        self._workers = {"cpu": self.worker}
+        if remote is not None:
+            self._workers["remote"] = TransferWorker.for_store(self.kv, remote.kv_store(layout))
         self._segments: list[npt.NDArray[np.uint8]] = [s.numpy() for s in self.kv.segments]
         self._job = 0
         # (tier, "stored" | "loaded") -> bytes, as the specs split them between tiers.
         self.moved: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.failed_jobs = 0
         self.verify_failures = 0
+        self.verify_failures_by_tier: defaultdict[str, int] = defaultdict(int)
 
     def _cascade_worker(self, disk_blocks: int) -> Any:
         from kvtier.store.disk import DiskStore
@@ -90,12 +103,12 @@ class DataPlane:
         """Disk blocks whose demotion failed: the cascade must forget them."""
         return self._handler.take_lost() if self._handler is not None else []
 
-    def _count(self, direction: str, spec: LoadStoreSpec, num_blocks: int) -> None:
+    def _count(self, direction: str, spec: LoadStoreSpec, num_blocks: int, tier: str) -> None:
         """Bytes per tier: a cascade spec says which blocks hit memory and which disk."""
         size = self.layout.bytes_per_block
         disk_positions = getattr(spec, "disk_positions", None)
         if disk_positions is None:
-            self.moved["cpu", direction] += num_blocks * size
+            self.moved[tier, direction] += num_blocks * size
             return
         self.moved["cpu", direction] += len(getattr(spec, "cpu_positions", ())) * size
         self.moved["disk", direction] += len(disk_positions) * size
@@ -127,29 +140,37 @@ class DataPlane:
         self._job += 1
         job = self._job
         submit(job, *args)
-        self.worker.wait([job])
-        (result,) = [r for r in self.worker.get_finished() if r.job_id == job]
+        worker = submit.__self__
+        worker.wait([job])
+        (result,) = [r for r in worker.get_finished() if r.job_id == job]
         if not result.ok:
             self.failed_jobs += 1
         return result.ok, result.bytes
 
-    def store(self, device_ids: Sequence[int], spec: LoadStoreSpec) -> bool:
-        ok, _ = self._run(self.worker.submit_store, list(device_ids), spec)
+    def store(self, device_ids: Sequence[int], spec: LoadStoreSpec, tier: str = "cpu") -> bool:
+        ok, _ = self._run(self._workers[tier].submit_store, list(device_ids), spec)
         if ok:
-            self._count("stored", spec, len(device_ids))
+            self._count("stored", spec, len(device_ids), tier)
         return ok
 
     def load(
-        self, spec: LoadStoreSpec, device_ids: Iterable[int], hashes: Sequence[BlockHash]
+        self,
+        spec: LoadStoreSpec,
+        device_ids: Iterable[int],
+        hashes: Sequence[BlockHash],
+        tier: str = "cpu",
     ) -> bool:
         """Copy the blocks in and verify every byte; False: treat as a miss (recompute)."""
         device_ids = list(device_ids)
         for seg in self._segments:  # so stale bytes cannot pass for a correct load
             seg[list(device_ids)] = 0
-        ok, _ = self._run(self.worker.submit_load, spec, list(device_ids))
+        ok, _ = self._run(self._workers[tier].submit_load, spec, list(device_ids))
         if ok:
-            self._count("loaded", spec, len(device_ids))
-        return ok and self.verify(device_ids, hashes)
+            self._count("loaded", spec, len(device_ids), tier)
+        if ok and not self.verify(device_ids, hashes):
+            self.verify_failures_by_tier[tier] += 1
+            return False
+        return ok
 
     def verify(self, device_ids: Sequence[int], hashes: Sequence[BlockHash]) -> bool:
         """Do these engine blocks hold exactly what their hashes say? (Counts failures.)"""
@@ -172,10 +193,21 @@ class DataPlane:
     @property
     def checksum_failures(self) -> int:
         disk = self.disk_store.stats().checksum_failures if self.disk_store is not None else 0
-        return self.host.num_checksum_failures + disk + self.verify_failures
+        remote = self.remote.stats.corrupt_blocks if self.remote is not None else 0
+        return self.host.num_checksum_failures + disk + remote + self.verify_failures
+
+    def failures(self, tier: str) -> int:
+        """Checksum failures of one tier's store plus wrong bytes it served."""
+        own = {
+            "cpu": self.host.num_checksum_failures,
+            "disk": self.disk_store.stats().checksum_failures if self.disk_store else 0,
+            "remote": self.remote.stats.corrupt_blocks if self.remote is not None else 0,
+        }
+        return own.get(tier, 0) + self.verify_failures_by_tier[tier]
 
     def close(self) -> None:
-        self.worker.close()
+        for worker in self._workers.values():
+            worker.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -201,7 +233,7 @@ def data_offload_loop(
         hit = manager.lookup(hs) or 0
         if hit:
             loaded = hs[:hit]
-            ok = dp.load(manager.prepare_load(loaded), range(hit), loaded)
+            ok = _load(dp, manager.prepare_load(loaded), loaded)
             if cascade is not None:  # it settles the promotions the load carried
                 cascade.complete_load(loaded, ok)
                 _forget_lost(cascade, dp)
@@ -220,6 +252,17 @@ def data_offload_loop(
     c.bytes_stored, c.bytes_loaded = dp.bytes_stored, dp.bytes_loaded
     c.checksum_failures = dp.checksum_failures
     return any_hits, prefix_hits, hit_tokens, saved
+
+
+def _load(dp: DataPlane, spec: LoadStoreSpec, loaded: list[BlockHash]) -> bool:
+    """Run a load; a chain's spec has one part per tier, in prefix order."""
+    if not isinstance(spec, ChainSpec):
+        return dp.load(spec, range(len(loaded)), loaded)
+    ok, start = True, 0
+    for name, part, sub in spec.parts:
+        ok = dp.load(sub, range(start, start + len(part)), part, tier=name) and ok
+        start += len(part)
+    return ok
 
 
 def _forget_lost(cascade: Any, dp: DataPlane) -> None:
@@ -242,8 +285,15 @@ def _store(
         return
     stored = out.block_hashes_to_store
     position = {h: i for i, h in enumerate(hs)}
-    ok = dp.store([position[h] for h in stored], out.store_spec) if stored else True
-    manager.complete_store(stored, success=ok)
+    if isinstance(out.store_spec, ChainSpec) and isinstance(manager, TierChain):
+        ok = True  # each tier's part is its own job, settled on its own
+        for name, part, sub in out.store_spec.parts:
+            done = dp.store([position[h] for h in part], sub, tier=name) if part else True
+            manager.complete_part(name, part, done)
+            ok = ok and done
+    else:
+        ok = dp.store([position[h] for h in stored], out.store_spec) if stored else True
+        manager.complete_store(stored, success=ok)
     c.evictions += len(out.block_hashes_evicted)
     resident.difference_update(out.block_hashes_evicted)
     if ok:

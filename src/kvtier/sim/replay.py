@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -66,13 +67,12 @@ class ReplayConfig:
             raise ValueError(f"cpu_frac must be in (0, 1], got {self.cpu_frac}")
         if self.store_on not in ("compute", "evict"):
             raise ValueError(f"store_on must be 'compute' or 'evict', got {self.store_on!r}")
-        if self.data and (
-            self.redis_url or self.time_model or (self.disk_blocks and self.gpu_blocks)
-        ):
+        extra_tiers = bool(self.disk_blocks) + bool(self.redis_url)
+        if self.data and (self.time_model or extra_tiers > 1 or (extra_tiers and self.gpu_blocks)):
             raise ValueError(
                 "data=True moves bytes in a sequential replay through the CPU tier (with a "
-                "GPU tier), or the CPU->disk cascade (without one); Redis and the "
-                "concurrency model run bookkeeping-only"
+                "GPU tier), or through CPU+disk or CPU+Redis (without one); other "
+                "combinations and the concurrency model run bookkeeping-only"
             )
         if self.data and self.store_on == "evict":
             raise ValueError("data=True needs store_on='compute' (evicted blocks' bytes are gone)")
@@ -129,10 +129,14 @@ def _replay_with_data(workload: Workload, config: ReplayConfig) -> ReplayResult:
 
     longest = max((len(ids) for ids in workload.block_ids), default=1)
     capacity = config.cpu_capacity(workload)
-    layout = small_layout(workload.block_size)
-    dp = DataPlane(layout, max(1, longest), max(1, capacity), config.disk_blocks)
+    namespace = config.redis_namespace or f"replay-{uuid.uuid4().hex}"
+    layout = small_layout(workload.block_size, model_id=f"kvtier-replay/{namespace}")
+    tiers = build_tiers(workload, config, layout=layout) if config.redis_url else None
+    remote = tiers.remote if tiers is not None else None
+    dp = DataPlane(layout, max(1, longest), max(1, capacity), config.disk_blocks, remote)
     try:
-        tiers = build_tiers(workload, config, disk_store=dp.disk_store)
+        if tiers is None:
+            tiers = build_tiers(workload, config, disk_store=dp.disk_store)
         total = TierCounters("cpu", capacity, config.policy)
         started = time.perf_counter()
         cascade = tiers.local.inner if tiers.local is not None else None
@@ -140,13 +144,15 @@ def _replay_with_data(workload: Workload, config: ReplayConfig) -> ReplayResult:
         seconds = time.perf_counter() - started
     finally:
         dp.close()
+        if tiers is not None:
+            tiers.close()
     result = _result(workload, total, tallies, seconds)
-    if tiers.local is None:
+    if tiers.local is None and tiers.chain is None:
         return result
     per_tier = []
     for t in tiers.stats(total, workload.block_refs, workload.block_size):
         stored, loaded = dp.moved[t.name, "stored"], dp.moved[t.name, "loaded"]
-        failures = dp.checksum_failures if t.name == "cpu" else 0
+        failures = dp.failures(t.name)
         per_tier.append(
             dataclasses.replace(
                 t, bytes_stored=stored, bytes_loaded=loaded, checksum_failures=failures

@@ -120,8 +120,12 @@ class OffloadTiers:
             self.remote.close()
 
 
-def build_tiers(workload: Workload, config: ReplayConfig, disk_store: Any = None) -> OffloadTiers:
-    """`disk_store`: a data plane's `DiskStore`, whose manager then serves as the disk tier."""
+def build_tiers(
+    workload: Workload, config: ReplayConfig, disk_store: Any = None, layout: Any = None
+) -> OffloadTiers:
+    """`disk_store`: a data plane's `DiskStore`, whose manager then serves as the disk tier;
+    `layout`: the data plane's `KVLayout` (real bytes in Redis: no placeholders, and no
+    promotion, whose copy into CPU slots the chain would make without bytes)."""
     from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
 
     capacity = config.cpu_capacity(workload)
@@ -137,11 +141,12 @@ def build_tiers(workload: Workload, config: ReplayConfig, disk_store: Any = None
         from kvtier.remote.tier import RemoteTier
 
         namespace = config.redis_namespace or f"replay-{uuid.uuid4().hex}"
-        fingerprint = f"{namespace}/{workload.name}"
-        tiers.remote = RemoteTier.from_url(config.redis_url, fingerprint, block_size=bs)
-        manager = tiers.remote.manager(synthetic_payload_bytes=config.remote_payload_bytes)
-        tiers.chain = TierChain([("cpu", tiers.manager), ("remote", manager)])
-        tiers.manager = tiers.chain
+        key = layout if layout is not None else f"{namespace}/{workload.name}"
+        tiers.remote = RemoteTier.from_url(config.redis_url, key, block_size=bs)
+        payload = None if layout is not None else config.remote_payload_bytes
+        manager = tiers.remote.manager(synthetic_payload_bytes=payload)
+        chain = TierChain([("cpu", tiers.manager), ("remote", manager)], layout is None)
+        tiers.chain = tiers.manager = chain
     return tiers
 
 
