@@ -94,3 +94,12 @@ def test_golden_with_accelerator_tier(conversation_trace_path: Path) -> None:
 
 # (GPU prefix hits, CPU prefix hits, any-position hits) on the first 4,000 requests.
 GOLDEN_TIERED = (5160, 3941, 9134)
+
+
+def test_refused_stores_are_not_counted_as_filtered() -> None:
+    w = _workload((1, 2), (3, 4))
+    r = replay(w, ReplayConfig(gpu_blocks=8, cpu_blocks=0))
+    cpu = r.tiers[1]
+    assert (cpu.stores, cpu.filtered_stores, cpu.store_rejections) == (0, 0, 2)
+    filtered = replay(w, ReplayConfig(gpu_blocks=8, cpu_blocks=8, store_threshold=2)).tiers[1]
+    assert (filtered.stores, filtered.filtered_stores, filtered.store_rejections) == (0, 4, 0)

@@ -167,8 +167,10 @@ def _store_computed(
     hashes = request.get_block_hashes(connector.block_size, connector.gpu.hash_algorithm)
     first = adm.gpu_hit_blocks + adm.offload_hit_blocks
     offered = sum(1 for h in hashes[first:] if h not in tally.cpu_resident)
+    rejections = connector.counters.store_rejections
     job = connector.computed(request)
-    if job is not None or connector.store_on == "compute":
+    refused = connector.counters.store_rejections > rejections  # the tier had no room
+    if connector.store_on == "compute" and not refused:
         tally.cpu.filtered_stores += offered - (len(job.block_hashes) if job else 0)
     _store(connector, tally, job)
 
