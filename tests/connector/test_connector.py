@@ -134,9 +134,11 @@ class ConnectorMachine(RuleBasedStateMachine):
     """Random interleavings of the engine's calls, checked against a simple model:
     which hashes the tier holds readable (stored and completed, not evicted)."""
 
+    STORE_ON = "compute"
+
     def __init__(self) -> None:
         super().__init__()
-        self.c = _connector(gpu_blocks=10, cpu_blocks=6)
+        self.c = _connector(gpu_blocks=10, cpu_blocks=6, store_on=self.STORE_ON)
         self.admitted: dict[str, Request] = {}
         self.computed: set[str] = set()
         self.loads: list[TransferJob] = []
@@ -210,5 +212,11 @@ class ConnectorMachine(RuleBasedStateMachine):
         assert self.c.jobs_in_flight == len(self.loads) + len(self.stores)
 
 
+class EvictStoreMachine(ConnectorMachine):
+    STORE_ON = "evict"
+
+
 TestConnectorMachine = ConnectorMachine.TestCase
-TestConnectorMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestConnectorMachine.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+TestEvictStoreMachine = EvictStoreMachine.TestCase
+TestEvictStoreMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
