@@ -36,10 +36,13 @@ blocks. Options relax checks a manager legitimately does differently:
 `exact_lookup=False` (lookup may answer None or count blocks the model does not
 know), `exact_evictions=False` (evicts other than exactly the shortfall),
 `strict_errors=False` (skips the caller-mistake rules), `check_slots=False`.
-`exact_rejections=True` additionally asserts a None from prepare_store means
-fewer evictable blocks than needed (true for LRU, not for ARC). `reference`, a
-second factory, mirrors every call to another manager and requires identical
-answers (a differential test).
+`check_ref_counts=True` (for managers with `get_block(hash) -> BlockStatus`)
+checks after every step that each block's reference count is exactly the model's
+(-1 in flight, else the number of loads in flight), which also proves a rejected
+call left no pin behind. `exact_rejections=True` additionally asserts a None
+from prepare_store means fewer evictable blocks than needed (true for LRU, not
+for ARC). `reference`, a second factory, mirrors every call to another manager
+and requires identical answers (a differential test).
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ def offloading_manager_machine(
     exact_rejections: bool = False,
     strict_errors: bool = True,
     check_slots: bool = True,
+    check_ref_counts: bool = False,
     reference: Callable[[], Any] | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A state machine class for `factory`'s manager; see the module docstring."""
@@ -278,6 +282,15 @@ def offloading_manager_machine(
             length = getattr(self.manager, "__len__", None)
             if length is not None:
                 assert length() == len(self.state)
+
+        @invariant()
+        def ref_counts_match(self) -> None:
+            if not check_ref_counts:
+                return
+            for h, state in self.state.items():
+                block = self.manager.get_block(h)  # type: ignore[attr-defined]
+                expected = -1 if state == IN_FLIGHT else self.pins[h]
+                assert block is not None and block.ref_cnt == expected, (h, block, expected)
 
         @invariant()
         def ghosts_bounded(self) -> None:

@@ -37,6 +37,7 @@ TestLRU = offloading_manager_machine(
     lambda: LRUOffloadingManager(CPUBackend(16, CAPACITY), enable_events=True),
     capacity=CAPACITY,
     exact_rejections=True,
+    check_ref_counts=True,
 ).TestCase
 TestLRU.settings = SETTINGS
 
@@ -44,6 +45,7 @@ TestARC = offloading_manager_machine(
     lambda: ARCOffloadingManager(CPUBackend(16, CAPACITY), enable_events=True),
     capacity=CAPACITY,
     ghost_sizes=_ghosts,
+    check_ref_counts=True,
 ).TestCase
 TestARC.settings = SETTINGS
 

@@ -48,7 +48,10 @@ class ARCCachePolicy(CachePolicy):
         return map(t1.order.get, keys, map(t2.order.get, keys))
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[BlockStatus | None]:
-        return list(self.get_iter(keys))
+        t1, t2 = self._t1, self._t2
+        if t1.parked or t2.parked:
+            return list(map(self.get, keys))
+        return list(map(t1.order.get, keys, map(t2.order.get, keys)))
 
     def insert(self, key: BlockHash, block: BlockStatus) -> None:
         self._t1.order[key] = block
@@ -220,8 +223,8 @@ class ARCCachePolicy(CachePolicy):
             consume(map(ghost.popitem, repeat(False, excess)))
 
     def mark_evictable(self, keys: Sequence[BlockHash]) -> None:
-        for lst in (self._t1, self._t2):
-            if lst.parked:
+        if self._t1.parked or self._t2.parked:
+            for lst in (self._t1, self._t2):
                 for key in keys:
                     lst.mark_evictable(key)
 
