@@ -88,6 +88,7 @@ def test_replay_html_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["replay", "--limit", "100", "--report", str(report)]) == 0
     text = report.read_text()
     assert "<table>" in text and "data:image/png;base64," in text and "belady" in text
+    assert "checksum failures" in text and "<td>cpu</td>" in text  # the per-tier table
 
 
 def test_compare_table_png_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -42,10 +42,11 @@ def run_replay(args: argparse.Namespace) -> dict[str, Any]:
         if tiers is not None:
             console.print(tiers)
     if args.report:
-        from kvtier.cli.report import replay_png, replay_rows, write_html
+        from kvtier.cli.report import replay_png, replay_rows, tier_rows, write_html
 
         title = f"kvtier replay: {report.trace}"
-        write_html(args.report, title, replay_rows(report), replay_png(report))
+        png = replay_png(report)
+        write_html(args.report, title, replay_rows(report), png, tier_rows(report))
         if not args.json:
             console.print(f"report written to {args.report}")
     return report.to_json()

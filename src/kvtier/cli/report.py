@@ -67,23 +67,49 @@ def _png(fig: Figure) -> bytes:
     return buffer.getvalue()
 
 
-def write_html(path: str | Path, title: str, table_rows: list[list[str]], png: bytes) -> None:
-    """One self-contained file: a table and the plot inlined as base64 PNG."""
-    head, *body = table_rows
+def _table(rows: list[list[str]]) -> str:
+    head, *body = rows
     cells = "".join(f"<th>{html.escape(c)}</th>" for c in head)
-    rows = "".join(
+    lines = "".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body
     )
+    return f"<table><tr>{cells}</tr>{lines}</table>"
+
+
+def write_html(
+    path: str | Path, title: str, table_rows: list[list[str]], png: bytes, *more: list[list[str]]
+) -> None:
+    """One self-contained file: the tables and the plot inlined as base64 PNG."""
     image = base64.b64encode(png).decode("ascii")
+    tables = "<p></p>".join(_table(rows) for rows in (table_rows, *more))
     Path(path).write_text(
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>"
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1><table><tr>{cells}</tr>{rows}</table>"
+        f"<h1>{html.escape(title)}</h1>{tables}"
         f"<p><img alt='hit rate plot' src='data:image/png;base64,{image}'></p></body></html>",
         encoding="utf-8",
     )
+
+
+def tier_rows(report: ReplayReport) -> list[list[str]]:
+    rows = [["policy", "tier", "size", "served", "stores", "evicted", "filtered"]]
+    rows[0] += ["bytes stored", "bytes loaded", "checksum failures"]
+    for r in report.results:
+        for t in r.tiers:
+            counts = (t.stores, t.evictions, t.filtered_stores, t.bytes_stored, t.bytes_loaded)
+            rows.append(
+                [
+                    r.policy,
+                    t.name,
+                    f"{t.capacity:,}",
+                    f"{t.hit_rate:.4f}",
+                    *(f"{n:,}" for n in counts),
+                    str(t.checksum_failures),
+                ]
+            )
+    return rows
 
 
 def replay_rows(report: ReplayReport) -> list[list[str]]:
