@@ -40,18 +40,16 @@ class ARCCachePolicy(CachePolicy):
         return self._t2.get(key) if block is None else block
 
     def get_iter(self, keys: Iterable[BlockHash]) -> Iterator[BlockStatus | None]:
-        t1, t2 = self._t1, self._t2
-        if t1.parked or t2.parked:
-            return map(self.get, keys)
         keys = keys if isinstance(keys, list) else list(keys)
-        # T1's answer, defaulting to T2's: both C-level lookups, no Python call per key
+        t1, t2 = self._t1, self._t2
+        # T1's answer, defaulting to T2's: C-level lookups, no Python call per key
+        if t1.parked or t2.parked:
+            parked = map(t1.parked.get, keys, map(t2.parked.get, keys))
+            return map(t1.order.get, keys, map(t2.order.get, keys, parked))
         return map(t1.order.get, keys, map(t2.order.get, keys))
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[BlockStatus | None]:
-        t1, t2 = self._t1, self._t2
-        if t1.parked or t2.parked:
-            return list(map(self.get, keys))
-        return list(map(t1.order.get, keys, map(t2.order.get, keys)))
+        return list(self.get_iter(keys))
 
     def insert(self, key: BlockHash, block: BlockStatus) -> None:
         self._t1.order[key] = block

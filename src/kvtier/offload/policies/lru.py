@@ -27,14 +27,13 @@ class LRUCachePolicy(CachePolicy):
 
     def get_iter(self, keys: Iterable[BlockHash]) -> Iterator[BlockStatus | None]:
         lst = self._list
-        return map(lst.get if lst.parked else lst.order.get, keys)
+        if not lst.parked:
+            return map(lst.order.get, keys)
+        keys = keys if isinstance(keys, list) else list(keys)
+        return map(lst.order.get, keys, map(lst.parked.get, keys))  # both C-level
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[BlockStatus | None]:
-        lst = self._list
-        blocks = list(map(lst.order.get, keys))
-        if lst.parked and None in blocks:
-            blocks = list(map(lst.get, keys))
-        return blocks
+        return list(self.get_iter(keys))
 
     def insert(self, key: BlockHash, block: BlockStatus) -> None:
         self._list.order[key] = block

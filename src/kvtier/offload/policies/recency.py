@@ -29,13 +29,15 @@ _HeapEntry = tuple[int, BlockHash]
 
 
 class RecencyList:
-    __slots__ = ("_heap", "_seq", "order", "parked")
+    __slots__ = ("_heap", "_parked_seq", "_seq", "order", "parked")
 
     def __init__(self) -> None:
         # least recent first; may still hold non-evictable blocks not yet scanned
         self.order: OrderedDict[BlockHash, BlockStatus] = OrderedDict()
-        # key -> (sequence number, block); all older than anything in `order`
-        self.parked: dict[BlockHash, tuple[int, BlockStatus]] = {}
+        # parked key -> block (a plain map, so lookups stay C-level), and its
+        # sequence number; all parked blocks are older than anything in `order`
+        self.parked: dict[BlockHash, BlockStatus] = {}
+        self._parked_seq: dict[BlockHash, int] = {}
         self._heap: list[_HeapEntry] = []  # parked blocks that may be evictable
         self._seq = 0
 
@@ -47,19 +49,15 @@ class RecencyList:
 
     def get(self, key: BlockHash) -> BlockStatus | None:
         block = self.order.get(key)
-        if block is None and self.parked:
-            entry = self.parked.get(key)
-            if entry is not None:
-                return entry[1]
-        return block
+        return self.parked.get(key) if block is None and self.parked else block
 
     def pop(self, key: BlockHash) -> BlockStatus | None:
         block = self.order.pop(key, None)
         if block is None and self.parked:
-            entry = self.parked.pop(key, None)
-            if entry is not None:
+            block = self.parked.pop(key, None)
+            if block is not None:
+                del self._parked_seq[key]
                 self._drop_heap_if_unparked()
-                return entry[1]
         return block
 
     def move_to_end(self, key: BlockHash) -> bool:
@@ -67,17 +65,16 @@ class RecencyList:
         if key in self.order:
             self.order.move_to_end(key)
             return True
-        entry = self.parked.pop(key, None) if self.parked else None
-        if entry is None:
+        block = self.pop(key) if self.parked else None
+        if block is None:
             return False
-        self.order[key] = entry[1]
-        self._drop_heap_if_unparked()
+        self.order[key] = block
         return True
 
     def mark_evictable(self, key: BlockHash) -> None:
-        entry = self.parked.get(key)
-        if entry is not None and entry[1].ref_cnt == 0:
-            heapq.heappush(self._heap, (entry[0], key))
+        block = self.parked.get(key)
+        if block is not None and block.ref_cnt == 0:
+            heapq.heappush(self._heap, (self._parked_seq[key], key))
             if len(self._heap) > 2 * len(self.parked) + 64:
                 self._rebuild_heap()
 
@@ -87,30 +84,39 @@ class RecencyList:
 
     def keys(self) -> list[BlockHash]:
         """All keys, least recent first (for tests and debugging; O(n log n))."""
-        parked = sorted(self.parked.items(), key=lambda item: item[1][0])
-        return [key for key, _ in parked] + list(self.order)
+        return sorted(self.parked, key=self._parked_seq.__getitem__) + list(self.order)
 
     def scan(self, protected: Set[BlockHash]) -> RecencyScan:
         return RecencyScan(self, protected)
 
     def park(self, keys: list[BlockHash]) -> None:
         """Move keys (a least-recent prefix of `order`, in order) to `parked`."""
-        order, parked, heap = self.order, self.parked, self._heap
+        order, parked, parked_seq, heap = self.order, self.parked, self._parked_seq, self._heap
         seq = self._seq
         for key in keys:
             block = order.pop(key)
             seq += 1
-            parked[key] = (seq, block)
+            parked[key] = block
+            parked_seq[key] = seq
             if block.ref_cnt == 0:
-                heap.append((seq, key))  # increasing seq: still a valid heap
+                heap.append((seq, key))  # the largest seq so far: still a valid heap
         self._seq = seq
+
+    def is_parked_as(self, entry: _HeapEntry) -> bool:
+        """Whether a heap entry still describes a parked block (not touched or removed since)."""
+        return self._parked_seq.get(entry[1]) == entry[0]
+
+    def unpark_victim(self, key: BlockHash) -> None:
+        del self.parked[key]
+        del self._parked_seq[key]
 
     def _drop_heap_if_unparked(self) -> None:
         if not self.parked:
             self._heap.clear()
 
     def _rebuild_heap(self) -> None:
-        self._heap = [(seq, key) for key, (seq, block) in self.parked.items() if block.ref_cnt == 0]
+        seqs = self._parked_seq
+        self._heap = [(seqs[key], key) for key, block in self.parked.items() if block.ref_cnt == 0]
         heapq.heapify(self._heap)
 
 
@@ -137,14 +143,13 @@ class RecencyScan:
         heap, parked = lst._heap, lst.parked
         while heap:
             entry = heapq.heappop(heap)
-            parked_entry = parked.get(entry[1])
-            if parked_entry is None or parked_entry[0] != entry[0]:
+            if not lst.is_parked_as(entry):
                 continue  # stale: touched or removed since
-            block = parked_entry[1]
+            key = entry[1]
+            block = parked[key]
             if block.ref_cnt != 0:
                 continue  # pinned again; re-pushed when it drops to 0
             self._popped.append(entry)
-            key = entry[1]
             if key in protected or key in self._taken_parked:
                 continue  # protected, or a duplicate entry of a block already yielded
             self._taken_parked.add(key)
@@ -158,11 +163,11 @@ class RecencyScan:
 
     def commit(self) -> None:
         lst = self._lst
-        order, parked = lst.order, lst.parked
+        order = lst.order
         for key in self._taken:
             del order[key]
         for key in self._taken_parked:
-            del parked[key]
+            lst.unpark_victim(key)
         self._restore_heap()
         if self._skipped:
             lst.park(self._skipped)
@@ -174,10 +179,9 @@ class RecencyScan:
         self._restore_heap()
 
     def _restore_heap(self) -> None:
-        heap, parked = self._lst._heap, self._lst.parked
+        lst = self._lst
         seen: set[_HeapEntry] = set()
         for entry in self._popped:
-            parked_entry = parked.get(entry[1])
-            if entry not in seen and parked_entry is not None and parked_entry[0] == entry[0]:
+            if entry not in seen and lst.is_parked_as(entry):
                 seen.add(entry)
-                heapq.heappush(heap, entry)
+                heapq.heappush(lst._heap, entry)
