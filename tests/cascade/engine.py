@@ -48,12 +48,14 @@ class Engine:
         self.expected: dict[BlockHash, bytes] = {}
         self._jobs: dict[int, tuple[str, list[BlockHash]]] = {}
         self._next_job = 0
+        self.load_targets: dict[int, list[int]] = {}
         self._next_target = 32
 
     def store(self, hashes: list[BlockHash], device_ids: list[int]) -> list[BlockHash]:
         """prepare_store + submit; returns the hashes being stored."""
         out = self.cascade.prepare_store(hashes)
-        assert out is not None
+        if out is None:  # nothing evictable: the engine just does not offload these
+            return []
         source = dict(zip(hashes, device_ids, strict=True))
         ids = [source[h] for h in out.block_hashes_to_store]
         for block_hash, device_id in zip(out.block_hashes_to_store, ids, strict=True):
@@ -65,6 +67,7 @@ class Engine:
         """prepare_load + submit into fresh device blocks; returns their ids."""
         spec = self.cascade.prepare_load(hashes)
         targets = [self._fresh() for _ in hashes]
+        self.load_targets[self._next_job] = targets
         self._submit("load", hashes, targets, spec)
         return targets
 

@@ -277,11 +277,12 @@ class DiskStore:
         if len(block_hashes) != len(blocks):
             raise ValueError(f"{len(blocks)} buffers for {len(block_hashes)} hashes")
         for block_hash, parts in zip(block_hashes, blocks, strict=True):
-            self._read_one(block_hash, [part.cast("B") for part in parts])
+            views = [p if p.format == "B" and p.ndim == 1 else p.cast("B") for p in parts]
+            self._read_one(block_hash, views)
 
     def _read_one(self, block_hash: BlockHash, parts: list[memoryview]) -> None:
         size = self._layout.bytes_per_block
-        if sum(part.nbytes for part in parts) != size:
+        if sum(map(len, parts)) != size:  # byte views: len is the size
             raise ValueError(f"buffers of {[p.nbytes for p in parts]} bytes, layout needs {size}")
         with self._lock:
             readable = self._sizes.get(block_hash, 0) > 0
