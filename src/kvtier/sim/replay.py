@@ -221,9 +221,9 @@ def _offload_loop(
     bs = workload.block_size
     resident: set[BlockHash] = set()  # mirror of the tier's contents, for any-position hits
     any_hits = prefix_hits = hit_tokens = saved = 0
+    stores = evictions = absent_offered = rejections = 0
     for i, (request, hs) in enumerate(zip(workload.requests, hashes, strict=True)):
         n = len(hs)
-        present = len(resident.intersection(hs))
         hit = lookup(hs) or 0  # None ("ask again") is a miss for a synchronous replay
         if hit:
             loaded = hs[:hit]
@@ -232,22 +232,31 @@ def _offload_loop(
             prefix_hits += hit
             hit_tokens += min(hit * bs, request.input_length)
             saved += min(hit, (request.input_length - 1) // bs) * bs if request.input_length else 0
-        any_hits += present
         touch(hs)
         if hit < n:
-            out = prepare_store(hs[hit:])
+            rest = hs[hit:]
+            # The hit run is present; beyond it, the mirror says (lookups change nothing).
+            present = hit + len(resident.intersection(rest))
+            out = prepare_store(rest)
             if out is None:
-                c.store_rejections += 1
+                rejections += 1
             else:
                 stored, evicted = out.block_hashes_to_store, out.block_hashes_evicted
                 complete_store(stored)
-                c.stores += len(stored)
-                c.evictions += len(evicted)
-                c.filtered_stores += n - present - len(stored)
+                stores += len(stored)
+                evictions += len(evicted)
+                absent_offered += n - present
                 resident.difference_update(evicted)
                 resident.update(stored)
+        else:
+            present = n
+        any_hits += present
         if progress is not None and i % PROGRESS_EVERY == 0:
             progress(i)
+    c.stores += stores
+    c.evictions += evictions
+    c.filtered_stores += absent_offered - stores  # offered, absent, yet not stored
+    c.store_rejections += rejections
     if progress is not None:
         progress(len(hashes))
     return any_hits, prefix_hits, hit_tokens, saved
