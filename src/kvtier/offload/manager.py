@@ -16,8 +16,7 @@ per manager call; per-block loops run as C-level `map`/`filter` where they can.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Set
-from itertools import compress, repeat
-from operator import is_
+from itertools import compress
 from types import MethodType
 from typing import Any, Literal
 
@@ -91,6 +90,7 @@ class PolicyOffloadingManager(OffloadingManager):
         # bound once: these run on every call
         self._get_many = policy.get_many
         self._get_iter = policy.get_iter
+        self._absent = policy.absent
         self._touch = policy.touch
         self._evict_split = _evict_split_of(policy)
         self._mark_evictable = policy.mark_evictable
@@ -152,7 +152,7 @@ class PolicyOffloadingManager(OffloadingManager):
         protected = set(hashes)
         if len(protected) != len(hashes):
             _check_distinct("prepare_store", hashes)
-        to_store = list(compress(hashes, map(is_, self._get_many(hashes), repeat(None))))
+        to_store = self._absent(hashes)
         backend = self.backend
         if not to_store:
             return PrepareStoreOutput([], backend.get_load_store_spec([], []), [])

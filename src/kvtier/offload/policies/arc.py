@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence, Set
-from itertools import islice, repeat
+from itertools import filterfalse, islice, repeat
 
 from kvtier.offload._fast import consume, first, ref_cnt, second
 from kvtier.offload.backend import BlockStatus
@@ -49,7 +49,23 @@ class ARCCachePolicy(CachePolicy):
         return map(t1.order.get, keys, map(t2.order.get, keys))
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[BlockStatus | None]:
+        t1, t2 = self._t1, self._t2
+        if keys and not (t1.parked or t2.parked):
+            # a call's blocks usually share a list (just stored: T1; loaded: T2):
+            # guess it from the first key, then one lookup per key
+            order = t1.order if keys[0] in t1.order else t2.order
+            blocks = list(map(order.get, keys))
+            if None not in blocks:
+                return blocks
         return list(self.get_iter(keys))
+
+    def absent(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        missing = filterfalse(self._t2.order.__contains__, keys)
+        missing = filterfalse(self._t1.order.__contains__, missing)
+        for lst in (self._t1, self._t2):
+            if lst.parked:
+                missing = filterfalse(lst.parked.__contains__, missing)
+        return list(missing)
 
     def insert(self, key: BlockHash, block: BlockStatus) -> None:
         self._t1.order[key] = block

@@ -41,6 +41,10 @@ class CachePolicy(ABC):
         """`get` for each key, in order; override to save a call per key."""
         return [self.get(key) for key in keys]
 
+    def absent(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        """The keys without a stored block, in order; override to skip fetching blocks."""
+        return [key for key, block in zip(keys, self.get_many(keys), strict=True) if block is None]
+
     @abstractmethod
     def insert(self, key: BlockHash, block: BlockStatus) -> None:
         """Add a newly allocated block (absent before)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence, Set
-from itertools import islice
+from itertools import filterfalse, islice
 
 from kvtier.offload._fast import consume, first, ref_cnt, second
 from kvtier.offload.backend import BlockStatus
@@ -34,6 +34,11 @@ class LRUCachePolicy(CachePolicy):
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[BlockStatus | None]:
         return list(self.get_iter(keys))
+
+    def absent(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        lst = self._list
+        missing = filterfalse(lst.order.__contains__, keys)
+        return list(filterfalse(lst.parked.__contains__, missing) if lst.parked else missing)
 
     def insert(self, key: BlockHash, block: BlockStatus) -> None:
         self._list.order[key] = block
