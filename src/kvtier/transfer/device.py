@@ -140,6 +140,11 @@ def copy_blocks(
             for src_seg, dst_seg in zip(src, dst, strict=True):
                 dst_seg[d : d + n].copy_(src_seg[s : s + n], non_blocking=True)
         return moved
+    if _is_range(src_ids) and _is_range(dst_ids):  # the common case: a few calls only
+        s, d, n = int(src_ids[0]), int(dst_ids[0]), len(src_ids)
+        for src_seg, dst_seg in zip(src, dst, strict=True):
+            np.copyto(dst_seg.numpy()[d : d + n], src_seg.numpy()[s : s + n])
+        return moved
     by_dst, dst_runs = _sorted_runs(dst_ids)
     by_src, src_runs = _sorted_runs(src_ids)
     if len(dst_runs) <= len(src_runs):
@@ -147,6 +152,12 @@ def copy_blocks(
     else:
         _scatter(src, src_ids[by_src], dst, dst_ids[by_src], src_runs)
     return moved
+
+
+def _is_range(ids: npt.NDArray[np.int64]) -> bool:
+    """Are `ids` consecutive and increasing? (Python lists: cheaper than numpy at job sizes.)"""
+    first = int(ids[0])
+    return bool(ids.tolist() == list(range(first, first + len(ids))))
 
 
 def _sorted_runs(ids: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], list[tuple[int, int]]]:
