@@ -237,10 +237,9 @@ class ARCCachePolicy(CachePolicy):
             consume(map(ghost.popitem, repeat(False, excess)))
 
     def mark_evictable(self, keys: Sequence[BlockHash]) -> None:
-        if self._t1.parked or self._t2.parked:
-            for lst in (self._t1, self._t2):
-                for key in keys:
-                    lst.mark_evictable(key)
+        for lst in (self._t1, self._t2):
+            if lst.parked:
+                lst.mark_evictable(keys)
 
     def ghost_sizes(self) -> tuple[int, ...]:
         return (len(self.b1), len(self.b2))

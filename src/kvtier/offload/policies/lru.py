@@ -97,10 +97,8 @@ class LRUCachePolicy(CachePolicy):
         return victims
 
     def mark_evictable(self, keys: Sequence[BlockHash]) -> None:
-        lst = self._list
-        if lst.parked:
-            for key in keys:
-                lst.mark_evictable(key)
+        if self._list.parked:
+            self._list.mark_evictable(keys)
 
     def keys(self) -> list[BlockHash]:
         """Stored keys, least recent first."""

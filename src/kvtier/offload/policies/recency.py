@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterator, Set
+from collections.abc import Iterable, Iterator, Set
 
 from kvtier.offload.backend import BlockStatus
 from kvtier.types import BlockHash
@@ -71,12 +71,14 @@ class RecencyList:
         self.order[key] = block
         return True
 
-    def mark_evictable(self, key: BlockHash) -> None:
-        block = self.parked.get(key)
-        if block is not None and block.ref_cnt == 0:
-            heapq.heappush(self._heap, (self._parked_seq[key], key))
-            if len(self._heap) > 2 * len(self.parked) + 64:
-                self._rebuild_heap()
+    def mark_evictable(self, keys: Iterable[BlockHash]) -> None:
+        """Queue the parked ones among `keys` that are evictable (ref count 0) now."""
+        parked = self.parked
+        for key in filter(parked.__contains__, keys):  # C-level: most keys are not parked
+            if parked[key].ref_cnt == 0:
+                heapq.heappush(self._heap, (self._parked_seq[key], key))
+        if len(self._heap) > 2 * len(parked) + 64:
+            self._rebuild_heap()
 
     def has_evictable_parked(self) -> bool:
         """Whether the heap may hold a victim (False: the scan can start at `order`)."""
