@@ -53,7 +53,8 @@ def bare_manager_loop(workload: Workload, policy: str, capacity: int) -> tuple[f
 
 def replay_loop(workload: Workload, policy: str, capacity: int) -> tuple[float, int]:
     manager = CPUOffloadingManager(workload.block_size, capacity, cache_policy=policy)
-    result = replay_offload_only(workload, manager, TierCounters("cpu", capacity, policy))
+    counters = TierCounters("cpu", capacity, policy)
+    result = replay_offload_only(workload, manager, counters, stores_all_absent=True)
     return result.seconds, result.prefix_hit_blocks
 
 

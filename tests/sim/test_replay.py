@@ -176,3 +176,35 @@ def test_same_decisions_as_the_vllm_reference_port(
     reference = cast(OffloadingManager, ReferenceCPUOffloadingManager(512, 9139, policy))
     r = replay_offload_only(workload, reference, TierCounters("cpu", 9139, policy))
     assert (r.prefix_hit_blocks, r.any_hit_blocks) == GOLDEN[(policy, 9139)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=requests_strategy, capacity=st.integers(1, 6), policy=st.sampled_from(["lru", "arc"])
+)
+def test_fast_path_counts_like_the_mirror(
+    requests: list[tuple[int, ...]], capacity: int, policy: str
+) -> None:
+    """Counting presence from the manager's answers equals keeping a mirror of it,
+    including when a request is larger than the tier (its store is refused)."""
+    from kvtier.offload import CPUOffloadingManager
+    from kvtier.sim.metrics import TierCounters
+    from kvtier.sim.replay import replay_offload_only
+
+    w = Workload(
+        "h",
+        tuple(TraceRequest(float(i), 4 * len(ids), 1, ids) for i, ids in enumerate(requests)),
+        4,
+        chained=False,
+    )
+    results = [
+        replay_offload_only(
+            w,
+            CPUOffloadingManager(4, capacity, cache_policy=policy),
+            TierCounters("cpu", capacity, policy),
+            stores_all_absent=fast,
+        )
+        for fast in (True, False)
+    ]
+    fast, mirrored = ((r.any_hit_blocks, r.prefix_hit_blocks, r.tiers) for r in results)
+    assert fast == mirrored
