@@ -27,6 +27,8 @@ def block_checksum(data: Buffer) -> int:
 
 def segments_checksum(segments: Iterable[Buffer]) -> int:
     """xxh3-64 of the concatenation of `segments`, without concatenating them."""
+    if isinstance(segments, list | tuple) and len(segments) == 1:
+        return int(xxhash.xxh3_64_intdigest(segments[0]))  # one-shot: no state object
     state = xxhash.xxh3_64()
     for segment in segments:
         state.update(segment)
