@@ -18,11 +18,13 @@ $(VENV)/.test: $(VENV)/.base pyproject.toml
 demo: $(VENV)/.base
 	$(VENV)/bin/kvtier replay
 
-# The Redis tier's tests need a real server binary; install Debian's when missing.
+# The Redis tier's tests need a real server binary (and openssl for the TLS tests);
+# install Debian's packages when missing.
 redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@{ command -v redis-server && command -v redis-cli && command -v openssl; } >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    $$SUDO apt-get install -y -qq redis-server redis-tools openssl >/dev/null; }
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -11,8 +11,10 @@ from kvtier.offload.abstract import (
     PrepareStoreOutput,
 )
 from kvtier.offload.backend import Backend, BlockStatus
+from kvtier.offload.cascade import CascadeOffloadingManager
 from kvtier.offload.counters import OffloadingCounters
 from kvtier.offload.cpu import CPUBackend
+from kvtier.offload.disk import DiskBackend, DiskLoadStoreSpec, DiskOffloadingManager
 from kvtier.offload.filter import FilterReusedOffloadingManager
 from kvtier.offload.manager import (
     ARCOffloadingManager,
@@ -40,6 +42,10 @@ __all__ = [
     "CPULoadStoreSpec",
     "CPUOffloadingManager",
     "CachePolicy",
+    "CascadeOffloadingManager",
+    "DiskBackend",
+    "DiskLoadStoreSpec",
+    "DiskOffloadingManager",
     "FilterReusedOffloadingManager",
     "GPULoadStoreSpec",
     "LRUCachePolicy",
