@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from kvtier.offload.abstract import LoadStoreSpec, OffloadingEvent
+from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.backend import Backend, BlockStatus
 from kvtier.offload.manager import PolicyOffloadingManager
 from kvtier.types import BlockHash
@@ -129,30 +129,7 @@ class DiskOffloadingManager(PolicyOffloadingManager):
         """Forget ready, unpinned blocks (found corrupt); returns those removed.
 
         Pinned blocks (a load in flight) and stores in flight are left alone: the
-        data plane reports them again when their job ends.
+        data plane reports them again when their job ends. The generic manager's
+        `remove_ready` does the removal (slots freed, so files deleted, one event).
         """
-        removed: list[BlockHash] = []
-        for block_hash in block_hashes:
-            block = self.get_block(block_hash)
-            if block is None or block.ref_cnt != 0:
-                continue
-            self._forget(block_hash)
-            self.backend.free(block)
-            removed.append(block_hash)
-        if removed and self.events is not None:
-            self.events.append(OffloadingEvent(removed, self.block_size, self.medium, removed=True))
-        return removed
-
-    def _forget(self, block_hash: BlockHash) -> None:
-        """Remove a ready block from the generic manager's bookkeeping.
-
-        `PolicyOffloadingManager` has no public removal of a ready block yet, so this
-        mirrors what its failed-store path does, for both of its bookkeeping shapes
-        (a hash map, or a count of present blocks beside the policy's own map).
-        """
-        self.policy.remove(block_hash)
-        blocks: dict[BlockHash, BlockStatus] | None = getattr(self, "_blocks", None)
-        if blocks is not None:
-            blocks.pop(block_hash, None)
-        if hasattr(self, "_num_present"):
-            self._num_present: int = self._num_present - 1
+        return self.remove_ready(block_hashes)
