@@ -38,7 +38,7 @@ unit: $(VENV)/.test redis-server
 
 test: lint typecheck unit
 
-bench: $(VENV)/.test
+bench: $(VENV)/.test redis-server
 	$(PY) -m benchmarks.run_all
 
 clean:
