@@ -7,10 +7,14 @@ equivalent `for` loop, and the offload managers loop over ~24 blocks per call.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Set
+from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 # drain an iterator at C speed, keeping nothing (a bound method: no Python frame)
 consume: Callable[[Iterable[Any]], None] = deque[Any](maxlen=0).extend
@@ -19,3 +23,20 @@ first = itemgetter(0)
 second = itemgetter(1)
 ref_cnt = attrgetter("ref_cnt")
 block_id = attrgetter("block_id")
+
+
+def pop_head(order: OrderedDict[K, V], n: int, protected: Set[K]) -> tuple[list[K], list[V]] | None:
+    """Pop the n least recent entries if none is protected or has a non-zero `ref_cnt`.
+
+    One `popitem` per entry (a lookup and an unlink) instead of a read then a delete;
+    in the rare case that an entry may not go, they are put back in place (None).
+    """
+    if len(order) < n:
+        return None
+    items = list(map(order.popitem, repeat(False, n)))
+    keys, values = list(map(first, items)), list(map(second, items))
+    if protected.isdisjoint(keys) and not any(map(ref_cnt, values)):
+        return keys, values
+    order.update(items)  # back at the most recent end, then each to the front
+    consume(map(order.move_to_end, reversed(keys), repeat(False)))
+    return None

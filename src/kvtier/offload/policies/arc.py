@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence, Set
-from itertools import filterfalse, islice, repeat
+from itertools import filterfalse, repeat
 
-from kvtier.offload._fast import consume, first, ref_cnt, second
+from kvtier.offload._fast import consume, first, pop_head, second
 from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies.base import CachePolicy, Victims
 from kvtier.offload.policies.recency import RecencyList
@@ -146,14 +146,10 @@ class ARCCachePolicy(CachePolicy):
         protected: Set[BlockHash],
     ) -> tuple[list[BlockHash], list[BlockStatus]] | None:
         """The n least recent blocks of `order` if all are evictable (else None, no change)."""
-        keys = list(islice(order, n))
-        if len(keys) < n or not protected.isdisjoint(keys):
-            return None
-        blocks = list(map(order.__getitem__, keys))
-        if any(map(ref_cnt, blocks)):
-            return None
-        self._to_ghosts(keys, order, ghost)
-        return keys, blocks
+        split = pop_head(order, n, protected)
+        if split is not None:
+            self._to_ghosts(split[0], None, ghost)
+        return split
 
     def _evict_scanning(self, n: int, protected: Set[BlockHash]) -> Victims | None:
         scan1, scan2 = self._t1.scan(protected), self._t2.scan(protected)
@@ -231,7 +227,7 @@ class ARCCachePolicy(CachePolicy):
         """Move victims (from `order`, unless already removed) to a ghost list; trim it."""
         if order is not None:
             consume(map(order.__delitem__, keys))
-        ghost.update(dict.fromkeys(keys))  # victims are never ghosts already: appended in order
+        ghost.update(zip(keys, repeat(None)))  # victims are never ghosts already: appended
         excess = len(ghost) - self.cache_capacity
         if excess > 0:
             consume(map(ghost.popitem, repeat(False, excess)))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence, Set
-from itertools import filterfalse, islice
+from itertools import filterfalse
 
-from kvtier.offload._fast import consume, first, ref_cnt, second
+from kvtier.offload._fast import consume, first, pop_head, second
 from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies.base import CachePolicy, Victims
 from kvtier.offload.policies.recency import RecencyList
@@ -71,15 +71,11 @@ class LRUCachePolicy(CachePolicy):
     ) -> tuple[list[BlockHash], list[BlockStatus]] | None:
         if n <= 0:
             return [], []
-        order = self._list.order
         if not self._list.has_evictable_parked():
             # the usual case: the n least recent blocks are all evictable
-            keys = list(islice(order, n))
-            if len(keys) == n and protected.isdisjoint(keys):
-                blocks = list(map(order.__getitem__, keys))
-                if not any(map(ref_cnt, blocks)):
-                    consume(map(order.__delitem__, keys))
-                    return keys, blocks
+            split = pop_head(self._list.order, n, protected)
+            if split is not None:
+                return split
         victims = self._evict_scanning(n, protected)
         return None if victims is None else (list(map(first, victims)), list(map(second, victims)))
 
