@@ -52,6 +52,11 @@ class DeviceKV:
         self.num_blocks = int(self.caches[0].shape[1 if layout.per_layer else 0])
         self.segments = self._segments()
         self.is_cuda = self.device.type == "cuda"
+        # numpy views of the segments (CPU only): `Tensor.numpy()` costs microseconds a
+        # call, and a copy would otherwise pay it per segment per job.
+        self.arrays: list[npt.NDArray[np.uint8]] = (
+            [] if self.is_cuda else [seg.numpy() for seg in self.segments]
+        )
 
     def _segments(self) -> list[torch.Tensor]:
         segments: list[torch.Tensor] = []
@@ -121,6 +126,9 @@ def copy_blocks(
     src_ids: npt.NDArray[np.int64],
     dst: Sequence[torch.Tensor],
     dst_ids: npt.NDArray[np.int64],
+    *,
+    src_arrays: Sequence[npt.NDArray[np.uint8]] | None = None,
+    dst_arrays: Sequence[npt.NDArray[np.uint8]] | None = None,
 ) -> int:
     """Copy blocks segment by segment (asynchronously when a side is on CUDA); bytes moved.
 
@@ -129,6 +137,7 @@ def copy_blocks(
     ids is one `index_select` gather into it, a run of consecutive source ids one
     numpy scatter from it; both loop over blocks in C, not in Python (torch's own
     scatter kernels copy element by element and run at a fifth of memcpy speed).
+    `src_arrays`/`dst_arrays`: the segments' numpy views, when the caller keeps them.
     """
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destinations")
@@ -140,17 +149,19 @@ def copy_blocks(
             for src_seg, dst_seg in zip(src, dst, strict=True):
                 dst_seg[d : d + n].copy_(src_seg[s : s + n], non_blocking=True)
         return moved
+    src_np = [seg.numpy() for seg in src] if src_arrays is None else src_arrays
+    dst_np = [seg.numpy() for seg in dst] if dst_arrays is None else dst_arrays
     if _is_range(src_ids) and _is_range(dst_ids):  # the common case: a few calls only
         s, d, n = int(src_ids[0]), int(dst_ids[0]), len(src_ids)
-        for src_seg, dst_seg in zip(src, dst, strict=True):
-            np.copyto(dst_seg.numpy()[d : d + n], src_seg.numpy()[s : s + n])
+        for src_array, dst_array in zip(src_np, dst_np, strict=True):
+            np.copyto(dst_array[d : d + n], src_array[s : s + n])
         return moved
     by_dst, dst_runs = _sorted_runs(dst_ids)
     by_src, src_runs = _sorted_runs(src_ids)
     if len(dst_runs) <= len(src_runs):
-        _gather(src, src_ids[by_dst], dst, dst_ids[by_dst], dst_runs)
+        _gather(src, src_np, src_ids[by_dst], dst, dst_np, dst_ids[by_dst], dst_runs)
     else:
-        _scatter(src, src_ids[by_src], dst, dst_ids[by_src], src_runs)
+        _scatter(src_np, src_ids[by_src], dst_np, dst_ids[by_src], src_runs)
     return moved
 
 
@@ -170,14 +181,14 @@ def _sorted_runs(ids: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], lis
 
 def _gather(
     src: Sequence[torch.Tensor],
+    src_arrays: Sequence[npt.NDArray[np.uint8]],
     src_ids: npt.NDArray[np.int64],
     dst: Sequence[torch.Tensor],
+    dst_arrays: Sequence[npt.NDArray[np.uint8]],
     dst_ids: npt.NDArray[np.int64],
     runs: list[tuple[int, int]],
 ) -> None:
     """Each run of consecutive `dst_ids` is filled by one gather per segment."""
-    src_arrays = [seg.numpy() for seg in src]
-    dst_arrays = [seg.numpy() for seg in dst]
     for a, b in runs:
         d, chunk = int(dst_ids[a]), src_ids[a:b]
         s = int(chunk[0])
@@ -192,15 +203,13 @@ def _gather(
 
 
 def _scatter(
-    src: Sequence[torch.Tensor],
+    src_arrays: Sequence[npt.NDArray[np.uint8]],
     src_ids: npt.NDArray[np.int64],
-    dst: Sequence[torch.Tensor],
+    dst_arrays: Sequence[npt.NDArray[np.uint8]],
     dst_ids: npt.NDArray[np.int64],
     runs: list[tuple[int, int]],
 ) -> None:
     """Each run of consecutive `src_ids` is spread by one numpy scatter per segment."""
-    dst_arrays = [seg.numpy() for seg in dst]
-    src_arrays = [seg.numpy() for seg in src]
     for a, b in runs:
         s, targets = int(src_ids[a]), dst_ids[a:b]
         for src_array, dst_array in zip(src_arrays, dst_arrays, strict=True):

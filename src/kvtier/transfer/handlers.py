@@ -70,6 +70,7 @@ class HostSlotHandler:
         self.host = store
         self._streams = _Streams(kv)
         self._host_segments = store.segments()
+        self._host_arrays = None if kv.is_cuda else store.segment_arrays()
 
     def prepare_store(self) -> Any:
         return self.kv.record_compute()
@@ -79,7 +80,14 @@ class HostSlotHandler:
         moved = self._streams.run(
             self._streams.store,
             ready,
-            lambda: copy_blocks(self.kv.segments, device_ids, self._host_segments, slots),
+            lambda: copy_blocks(
+                self.kv.segments,
+                device_ids,
+                self._host_segments,
+                slots,
+                src_arrays=self.kv.arrays or None,
+                dst_arrays=self._host_arrays,
+            ),
         )
         self.host.seal(slots)
         return moved
@@ -90,7 +98,14 @@ class HostSlotHandler:
         return self._streams.run(
             self._streams.load,
             None,
-            lambda: copy_blocks(self._host_segments, slots, self.kv.segments, device_ids),
+            lambda: copy_blocks(
+                self._host_segments,
+                slots,
+                self.kv.segments,
+                device_ids,
+                src_arrays=self._host_arrays,
+                dst_arrays=self.kv.arrays or None,
+            ),
         )
 
 
