@@ -37,6 +37,11 @@ def pop_head(order: OrderedDict[K, V], n: int, protected: Set[K]) -> tuple[list[
     keys, values = list(map(first, items)), list(map(second, items))
     if protected.isdisjoint(keys) and not any(map(ref_cnt, values)):
         return keys, values
-    order.update(items)  # back at the most recent end, then each to the front
-    consume(map(order.move_to_end, reversed(keys), repeat(False)))
+    push_head(order, keys, values)
     return None
+
+
+def push_head(order: OrderedDict[K, V], keys: list[K], values: list[V]) -> None:
+    """Undo `pop_head`: put the entries back at the least recent end, in order."""
+    order.update(zip(keys, values, strict=True))  # to the most recent end, then to the front
+    consume(map(order.move_to_end, reversed(keys), repeat(False)))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from kvtier.offload._fast import block_id
 from kvtier.offload.backend import Backend, BlockStatus
 from kvtier.offload.mediums import CPULoadStoreSpec
@@ -60,4 +62,5 @@ class CPUBackend(Backend):
     def get_load_store_spec(
         self, block_hashes: Sequence[BlockHash], blocks: Sequence[BlockStatus]
     ) -> CPULoadStoreSpec:
-        return CPULoadStoreSpec(list(map(block_id, blocks)))
+        # straight into an int64 array: no list of ints for numpy to convert
+        return CPULoadStoreSpec(np.fromiter(map(block_id, blocks), np.int64, len(blocks)))

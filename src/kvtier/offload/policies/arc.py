@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence, Set
 from itertools import filterfalse, repeat
 
-from kvtier.offload._fast import consume, first, pop_head, second
+from kvtier.offload._fast import consume, first, pop_head, push_head, second
 from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies.base import CachePolicy, Victims
 from kvtier.offload.policies.recency import RecencyList
@@ -128,28 +128,34 @@ class ARCCachePolicy(CachePolicy):
             return (
                 None if victims is None else (list(map(first, victims)), list(map(second, victims)))
             )
-        # the usual cases: every victim comes from one list's least recent end
+        # the usual case: the victims are T1's k least recent blocks (while T1, less the
+        # victims already chosen, is at least the target), then T2's; all evictable
         target = int(self.target_t1_size)
-        if len(t1) - (n - 1) >= target:
-            split = self._evict_head(t1.order, self.b1, n, protected)
-        elif len(t1) < target:
-            split = self._evict_head(t2.order, self.b2, n, protected)
-        else:
-            split = None
+        size1 = len(t1)
+        k = min(n, size1, max(0, size1 - target + 1))
+        split = self._evict_heads(k, n - k, protected)
         return self._evict_from_orders(n, protected) if split is None else split
 
-    def _evict_head(
-        self,
-        order: OrderedDict[BlockHash, BlockStatus],
-        ghost: OrderedDict[BlockHash, None],
-        n: int,
-        protected: Set[BlockHash],
+    def _evict_heads(
+        self, k: int, m: int, protected: Set[BlockHash]
     ) -> tuple[list[BlockHash], list[BlockStatus]] | None:
-        """The n least recent blocks of `order` if all are evictable (else None, no change)."""
-        split = pop_head(order, n, protected)
-        if split is not None:
-            self._to_ghosts(split[0], None, ghost)
-        return split
+        """T1's k then T2's m least recent blocks if all are evictable (else None, no change)."""
+        t1_order, t2_order = self._t1.order, self._t2.order
+        split1 = pop_head(t1_order, k, protected) if k else None
+        if k and split1 is None:
+            return None
+        split2 = pop_head(t2_order, m, protected) if m else None
+        if m and split2 is None:
+            if split1 is not None:
+                push_head(t1_order, *split1)
+            return None
+        if split1 is not None:
+            self._to_ghosts(split1[0], None, self.b1)
+        if split2 is not None:
+            self._to_ghosts(split2[0], None, self.b2)
+        if split1 is None or split2 is None:
+            return split1 or split2 or ([], [])
+        return split1[0] + split2[0], split1[1] + split2[1]
 
     def _evict_scanning(self, n: int, protected: Set[BlockHash]) -> Victims | None:
         scan1, scan2 = self._t1.scan(protected), self._t2.scan(protected)
