@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from kvtier.store.disk import READ_CHUNK, DiskStore
-from kvtier.store.diskformat import file_name
+from kvtier.store.diskformat import (
+    BlockHeader,
+    FormatError,
+    HeaderCheck,
+    file_name,
+    payload_checksum,
+)
 from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError
 from kvtier.types import int_block_hash
@@ -79,3 +85,25 @@ def test_parts_of_other_formats_are_sized_in_bytes(tmp_path: Path) -> None:
     assert bytes(target) == payload
     with pytest.raises(ValueError, match="layout needs"):
         store.read_parts([int_block_hash(0)], [[halves[:-1]]])
+
+
+def test_the_fast_header_check_agrees_with_the_full_one() -> None:
+    block_hash = int_block_hash(42)
+    fingerprint = CROSS.fingerprint_bytes
+    header = bytearray(BlockHeader(block_hash, fingerprint, 1000, 0xABCDEF).pack())
+    check = HeaderCheck(fingerprint, 1000)
+    assert check.payload_checksum(header, block_hash) == 0xABCDEF
+    assert payload_checksum(header, block_hash, fingerprint, 1000) == 0xABCDEF
+    for position in range(len(header)):  # any flipped bit anywhere is refused by both
+        damaged = bytearray(header)
+        damaged[position] ^= 0x10
+        with pytest.raises(FormatError):
+            check.payload_checksum(damaged, block_hash)
+    with pytest.raises(FormatError, match="another block"):
+        check.payload_checksum(header, int_block_hash(43))
+    with pytest.raises(FormatError, match="another layout"):
+        HeaderCheck(PER_LAYER.fingerprint_bytes, 1000).payload_checksum(header, block_hash)
+    with pytest.raises(FormatError, match="another layout or size"):
+        HeaderCheck(fingerprint, 999).payload_checksum(header, block_hash)
+    with pytest.raises(FormatError, match="header of"):
+        check.payload_checksum(header[:-1], block_hash)

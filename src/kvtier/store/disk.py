@@ -45,10 +45,10 @@ from kvtier.store.diskformat import (
     TMP_SUFFIX,
     BlockHeader,
     FormatError,
+    HeaderCheck,
     durable_write,
     file_name,
     hash_of,
-    payload_checksum,
     sync_directory,
 )
 from kvtier.store.layout import KVLayout, LayoutMismatchError
@@ -105,7 +105,8 @@ class DiskStore:
         self.root = Path(root)
         self.directory = self.root / f"{DIR_PREFIX}{layout.fingerprint}"
         self._prefix = f"{self.directory}{os.sep}"
-        self._fingerprint = layout.fingerprint_bytes
+        self._size = layout.bytes_per_block
+        self._header_check = HeaderCheck(layout.fingerprint_bytes, self._size)
         # segments per read (at most 1023: the first read also takes the header, IOV_MAX 1024)
         self._group = min(1023, max(1, READ_CHUNK // layout.segment_bytes))
         self._lock = threading.Lock()
@@ -292,7 +293,7 @@ class DiskStore:
         """`read` into blocks given as their segments in layout order (no scatter copy)."""
         if len(block_hashes) != len(blocks):
             raise ValueError(f"{len(blocks)} buffers for {len(block_hashes)} hashes")
-        size = self._layout.bytes_per_block
+        size = self._size
         state: xxhash.xxh3_64 | None = getattr(self._local, "hasher", None)
         if state is None:
             state = self._local.hasher = xxhash.xxh3_64()
@@ -315,10 +316,9 @@ class DiskStore:
         try:
             raw_header = bytearray(_FIXED_HEADER + len(block_hash))
             got, checksum = _read_hashed(fd, raw_header, self._chunks(parts), state)
-            size = self._layout.bytes_per_block
-            if got != size:
-                raise FormatError(f"torn block file ({got} of {size} payload bytes)")
-            expected = payload_checksum(raw_header, block_hash, self._fingerprint, size)
+            if got != self._size:
+                raise FormatError(f"torn block file ({got} of {self._size} payload bytes)")
+            expected = self._header_check.payload_checksum(raw_header, block_hash)
             if checksum != expected:
                 raise ChecksumError(f"checksum mismatch for block {block_hash.hex()}")
         except ValueError as exc:  # FormatError, ChecksumError
