@@ -41,17 +41,16 @@ class CPUBackend(Backend):
                 f"cannot allocate {n} blocks: only {self.get_num_free_blocks()} of "
                 f"{self._capacity} are free"
             )
-        start = self._num_allocated
-        self._num_allocated = start + num_fresh
-        blocks = [BlockStatus(i) for i in range(start, start + num_fresh)] if num_fresh else []
+        reused = free[: -num_reused - 1 : -1] if num_reused else []  # most recently freed first
         if num_reused:
-            reused = free[-num_reused:]
             del free[-num_reused:]
-            reused.reverse()  # most recently freed first
             for block in reused:
                 block.ref_cnt = -1
-            blocks += reused
-        return blocks
+        if not num_fresh:  # the steady state: every slot has been used once
+            return reused
+        start = self._num_allocated
+        self._num_allocated = start + num_fresh
+        return [BlockStatus(i) for i in range(start, start + num_fresh)] + reused
 
     def free(self, block: BlockStatus) -> None:
         self._free.append(block)

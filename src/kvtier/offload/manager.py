@@ -93,6 +93,7 @@ class PolicyOffloadingManager(OffloadingManager):
         self._absent = policy.absent
         self._touch = policy.touch
         self._evict_split = _evict_split_of(policy)
+        self._insert_many = policy.insert_many
         self._mark_evictable = policy.mark_evictable
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self._num_present = 0
@@ -165,7 +166,6 @@ class PolicyOffloadingManager(OffloadingManager):
                 return None
             evicted = victims[0]
             backend.free_blocks(victims[1])
-            self._num_present -= len(evicted)
             self._evicted += len(evicted)
             if self.events is not None:
                 self.events.append(
@@ -177,8 +177,8 @@ class PolicyOffloadingManager(OffloadingManager):
                 f"{type(backend).__name__}.allocate_blocks returned {len(new_blocks)} "
                 f"blocks for {len(to_store)} hashes"
             )
-        self.policy.insert_many(to_store, new_blocks)
-        self._num_present += len(to_store)
+        self._insert_many(to_store, new_blocks)
+        self._num_present += len(to_store) - len(evicted)
         return PrepareStoreOutput(
             to_store, backend.get_load_store_spec(to_store, new_blocks), evicted
         )

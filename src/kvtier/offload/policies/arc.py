@@ -53,10 +53,14 @@ class ARCCachePolicy(CachePolicy):
         if keys and not (t1.parked or t2.parked):
             # a call's blocks usually share a list (just stored: T1; loaded: T2):
             # guess it from the first key, then one lookup per key
-            order = t1.order if keys[0] in t1.order else t2.order
+            if keys[0] in t1.order:
+                order, other = t1.order, t2.order
+            else:
+                order, other = t2.order, t1.order
             blocks = list(map(order.get, keys))
-            if None not in blocks:
-                return blocks
+            if None in blocks:  # a mixed call: the other list fills the gaps
+                blocks = list(map(other.get, keys, blocks))
+            return blocks
         return list(self.get_iter(keys))
 
     def absent(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
@@ -239,9 +243,10 @@ class ARCCachePolicy(CachePolicy):
             consume(map(ghost.popitem, repeat(False, excess)))
 
     def mark_evictable(self, keys: Sequence[BlockHash]) -> None:
-        for lst in (self._t1, self._t2):
-            if lst.parked:
-                lst.mark_evictable(keys)
+        if self._t1.parked:
+            self._t1.mark_evictable(keys)
+        if self._t2.parked:
+            self._t2.mark_evictable(keys)
 
     def ghost_sizes(self) -> tuple[int, ...]:
         return (len(self.b1), len(self.b2))
