@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Set
-from itertools import repeat
+from itertools import islice, repeat
 from operator import attrgetter, itemgetter
 from typing import Any, TypeVar
 
@@ -28,13 +28,13 @@ block_id = attrgetter("block_id")
 def pop_head(order: OrderedDict[K, V], n: int, protected: Set[K]) -> tuple[list[K], list[V]] | None:
     """Pop the n least recent entries if none is protected or has a non-zero `ref_cnt`.
 
-    One `popitem` per entry (a lookup and an unlink) instead of a read then a delete;
+    One `pop` per entry (a lookup and an unlink) instead of a read then a delete;
     in the rare case that an entry may not go, they are put back in place (None).
     """
     if len(order) < n:
         return None
-    items = list(map(order.popitem, repeat(False, n)))
-    keys, values = list(map(first, items)), list(map(second, items))
+    keys = list(islice(order, n))  # walks the links: no lookups, no pairs
+    values = list(map(order.pop, keys))
     if protected.isdisjoint(keys) and not any(map(ref_cnt, values)):
         return keys, values
     push_head(order, keys, values)
