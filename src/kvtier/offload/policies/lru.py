@@ -33,7 +33,8 @@ class LRUCachePolicy(CachePolicy):
         return map(lst.order.get, keys, map(lst.parked.get, keys))  # both C-level
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[BlockStatus | None]:
-        return list(self.get_iter(keys))
+        lst = self._list
+        return list(map(lst.order.get, keys) if not lst.parked else self.get_iter(keys))
 
     def absent(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
         lst = self._list
