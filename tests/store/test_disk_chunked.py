@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store.disk import READ_CHUNK, DiskStore
+from kvtier.store.disk import DiskStore
 from kvtier.store.diskformat import (
+    READ_CHUNK,
     BlockHeader,
     FormatError,
     HeaderCheck,

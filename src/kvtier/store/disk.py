@@ -41,6 +41,7 @@ from kvtier.store.checksum import ChecksumError, segments_checksum
 from kvtier.store.diskformat import (
     DIR_PREFIX,
     LAYOUT_FILE,
+    READ_CHUNK,
     SUFFIX,
     TMP_SUFFIX,
     BlockHeader,
@@ -49,6 +50,7 @@ from kvtier.store.diskformat import (
     durable_write,
     file_name,
     hash_of,
+    read_hashed,
     sync_directory,
 )
 from kvtier.store.layout import KVLayout, LayoutMismatchError
@@ -57,11 +59,7 @@ from kvtier.types import BlockHash
 
 Buffer = bytes | bytearray | memoryview
 
-# Loads read and hash this much at a time: well inside a core's L2 (1-2 MiB), so the
-# checksum reads the bytes from cache right after the kernel wrote them there.
-READ_CHUNK = 256 << 10
 _FIXED_HEADER = BlockHeader.size_for(0)  # plus the hash's length
-Hasher = xxhash.xxh3_64
 _NBYTES = operator.attrgetter("nbytes")
 
 
@@ -304,7 +302,9 @@ class DiskStore:
                 )
             self._read_one(block_hash, parts, state)
 
-    def _read_one(self, block_hash: BlockHash, parts: Sequence[memoryview], state: Hasher) -> None:
+    def _read_one(
+        self, block_hash: BlockHash, parts: Sequence[memoryview], state: xxhash.xxh3_64
+    ) -> None:
         with self._lock:
             readable = self._sizes.get(block_hash, 0) > 0
         try:
@@ -315,7 +315,7 @@ class DiskStore:
             raise self._missing_error(block_hash) from None
         try:
             raw_header = bytearray(_FIXED_HEADER + len(block_hash))
-            got, checksum = _read_hashed(fd, raw_header, self._chunks(parts), state)
+            got, checksum = read_hashed(fd, raw_header, self._chunks(parts), state)
             if got != self._size:
                 raise FormatError(f"torn block file ({got} of {self._size} payload bytes)")
             expected = self._header_check.payload_checksum(raw_header, block_hash)
@@ -413,22 +413,6 @@ class DiskStore:
                 checksum_failures=self._checksum_failures,
                 missing=self._missing,
             )
-
-
-def _read_hashed(
-    fd: int, raw_header: bytearray, chunks: list[Sequence[memoryview]], state: Hasher
-) -> tuple[int, int]:
-    """Read the header and the payload straight into the parts of `chunks`, hashing each
-    chunk right after its read, while it is still in the core's cache: one pass over
-    cold memory (the kernel's copy), none for the checksum, no bounce copy. Returns the
-    payload bytes read (short on a torn file: later reads then return 0) and their xxh3."""
-    state.reset()
-    got = os.readv(fd, [raw_header, *chunks[0]]) - len(raw_header)
-    any(map(state.update, chunks[0]))  # update returns None: a C-level loop over all
-    for chunk in chunks[1:]:
-        got += os.readv(fd, chunk)
-        any(map(state.update, chunk))
-    return max(got, 0), int(state.intdigest())
 
 
 def _hashes_of(spec: LoadStoreSpec) -> Sequence[BlockHash]:

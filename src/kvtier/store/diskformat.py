@@ -37,6 +37,12 @@ _CHECK = struct.Struct("<Q")
 _PREFIX = struct.Struct("<4sHH16sQ")  # _FIXED up to, not including, the payload xxh3
 _IOV_MAX = 1024  # POSIX minimum is 16, Linux allows 1024
 
+# Loads read and hash this much at a time, so the checksum reads each piece right after
+# the kernel wrote it, while it is nearer the core than main memory (measured here:
+# xxh3 then runs at ~12-17 GB/s, about 10 GB/s on cold memory; 64 KiB to 4 MiB
+# chunks were tried, 256-512 KiB is best).
+READ_CHUNK = 256 << 10
+
 
 class FormatError(ValueError):
     """A block file whose header is torn, foreign or inconsistent."""
@@ -178,6 +184,22 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
         done = 0
         while view:
             view = view[os.write(fd, view) :]
+
+
+def read_hashed(
+    fd: int, raw_header: bytearray, chunks: Sequence[Sequence[memoryview]], state: xxhash.xxh3_64
+) -> tuple[int, int]:
+    """Read a block file's header, then its payload straight into the parts of `chunks`
+    (no bounce copy), each chunk hashed right after its read (see `READ_CHUNK`).
+    Returns the payload bytes read (short on a torn file: later reads then return 0)
+    and their xxh3, which equals the one-shot xxh3 of the whole payload."""
+    state.reset()
+    got = os.readv(fd, [raw_header, *chunks[0]]) - len(raw_header)
+    any(map(state.update, chunks[0]))  # update returns None: a C-level loop over all
+    for chunk in chunks[1:]:
+        got += os.readv(fd, chunk)
+        any(map(state.update, chunk))
+    return max(got, 0), int(state.intdigest())
 
 
 def sync_directory(directory: str | os.PathLike[str]) -> None:
