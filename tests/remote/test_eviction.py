@@ -14,6 +14,8 @@ from kvtier.types import int_block_hash
 from tests.remote.conftest import FakeClock, RedisServer, serve_redis
 
 FP = "model=tiny|dtype=fp16|block=16|format=1"
+# Generous timeouts: these tests are about eviction, not about a slow server.
+TIMEOUTS = {"socket_timeout_s": 5.0, "connect_timeout_s": 5.0}
 BLOCK = 64 * 1024
 HASHES = [int_block_hash(i) for i in range(160)]  # 10 MiB of blocks into 4 MiB
 
@@ -33,11 +35,15 @@ def small_noeviction_server(tmp_path: Path) -> Iterator[RedisServer]:
 def test_lru_server_evicts_and_lookups_stop_at_the_first_hole(
     small_lru_server: RedisServer,
 ) -> None:
-    store = RedisBlockStore.connect(RemoteConfig(url=small_lru_server.url), FP, FakeClock())
+    config = RemoteConfig(url=small_lru_server.url, **TIMEOUTS)  # type: ignore[arg-type]
+    store = RedisBlockStore.connect(config, FP, FakeClock())
     for start in range(0, len(HASHES), 8):
         batch = HASHES[start : start + 8]
         assert store.store(batch, [bytes([start % 251]) * BLOCK] * len(batch))
     client = small_lru_server.client()
+    # Redis evicts on ANY command while over maxmemory, reads included; lift the limit
+    # so the snapshot below and the lookups see the same holes.
+    client.config_set("maxmemory", 0)
     present = [bool(client.exists(store.key(h))) for h in HASHES]
     assert 0 < sum(present) < len(HASHES)  # Redis evicted some, kept some
     assert present[-1]  # the most recent survived
@@ -52,7 +58,8 @@ def test_lru_server_evicts_and_lookups_stop_at_the_first_hole(
 def test_full_noeviction_server_fails_stores_but_keeps_serving(
     small_noeviction_server: RedisServer,
 ) -> None:
-    store = RedisBlockStore.connect(RemoteConfig(url=small_noeviction_server.url), FP, FakeClock())
+    config = RemoteConfig(url=small_noeviction_server.url, **TIMEOUTS)  # type: ignore[arg-type]
+    store = RedisBlockStore.connect(config, FP, FakeClock())
     results = [
         store.store(HASHES[i : i + 8], [b"\1" * BLOCK] * 8) for i in range(0, len(HASHES), 8)
     ]

@@ -18,6 +18,7 @@ PAYLOADS = [bytes([i]) * (1000 + i) for i in range(8)]
 
 
 def connect(server: RedisServer, fingerprint: str = FP, **kwargs: object) -> RedisBlockStore:
+    kwargs.setdefault("socket_timeout_s", 5.0)  # not a timeout test: a loaded CI box is slow
     config = RemoteConfig(url=server.url, **kwargs)  # type: ignore[arg-type]
     return RedisBlockStore.connect(config, fingerprint, FakeClock())
 
