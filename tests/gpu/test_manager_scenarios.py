@@ -212,6 +212,22 @@ def test_duplicate_blocks_are_kept_and_found_in_caching_order() -> None:
     assert [x.block_id for x in blocks] == [2, 3] and hit == 8
 
 
+def test_repeated_hashes_in_one_request_reuse_one_block_twice() -> None:
+    # Hash-built requests may repeat a hash; the hit then holds one block twice, which
+    # must leave the free queue once (the pool's count once broke here).
+    m = make(num_blocks=10)
+    hashes = [*hash_request_blocks(range(4), 4)] * 2
+    a = Request.from_block_hashes("a", hashes, 9, block_size=4)
+    run_prefill(m, a)
+    m.free(a)
+    b = Request.from_block_hashes("b", hashes, 9, block_size=4)
+    blocks, hit, _ = run_prefill(m, b)
+    assert hit == 8 and blocks[0] is blocks[1] and blocks[0].ref_cnt == 2
+    assert m.num_free_blocks == len(list(m.block_pool.free_block_queue)) == 8
+    m.free(b)
+    assert m.num_free_blocks == len(list(m.block_pool.free_block_queue)) == 10
+
+
 def test_on_evict_hook_sees_each_evicted_hash() -> None:
     seen: list[bytes] = []
     m = make(num_blocks=3, on_evict=seen.append, enable_kv_cache_events=False)

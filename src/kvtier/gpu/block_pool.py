@@ -191,10 +191,17 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Take a reference on prefix-hit blocks, reviving those sitting in the free queue."""
-        self.free_block_queue.remove_all([b for b in blocks if b.ref_cnt == 0])
+        """Take a reference on prefix-hit blocks, reviving those sitting in the free queue.
+
+        A block listed twice (a request whose hashes repeat) leaves the queue once: it is
+        revived by its first reference only, as in vLLM.
+        """
+        revived: list[KVCacheBlock] = []
         for block in blocks:
+            if block.ref_cnt == 0:
+                revived.append(block)
             block.ref_cnt += 1
+        self.free_block_queue.remove_all(revived)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the tail in the given order."""
