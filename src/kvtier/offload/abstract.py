@@ -9,10 +9,24 @@ flight is never readable and a block being read is never evicted).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvtier.types import BlockHash
+
+
+def distinct_hashes(call: str, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
+    """The hashes as a list (a list is not copied); ValueError naming the repeats if any.
+
+    Every manager refuses a hash listed twice in one pin or reservation call, with
+    the same error: one such block would otherwise be pinned or reserved twice.
+    """
+    hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+    if len(set(hashes)) != len(hashes):
+        dups = [h for h, n in Counter(hashes).items() if n > 1]
+        raise ValueError(f"{call}: duplicate block hashes in one call: {dups!r}")
+    return hashes
 
 
 class LoadStoreSpec(ABC):

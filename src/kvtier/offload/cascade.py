@@ -47,6 +47,7 @@ from kvtier.offload.abstract import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
+    distinct_hashes,
 )
 from kvtier.offload.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec
 from kvtier.types import BlockHash
@@ -172,7 +173,7 @@ class CascadeOffloadingManager(OffloadingManager):
         return hits
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
-        hashes = _distinct("prepare_load", block_hashes)
+        hashes = distinct_hashes("prepare_load", block_hashes)
         spec = CascadeLoadSpec()
         for i, block_hash in enumerate(hashes):
             if self._ready(self._cpu_core, block_hash):
@@ -221,7 +222,7 @@ class CascadeOffloadingManager(OffloadingManager):
 
     def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Unpin; and settle the promotion planned by `prepare_load` (`success` of the job)."""
-        hashes = _distinct("complete_load", block_hashes)
+        hashes = distinct_hashes("complete_load", block_hashes)
         for block_hash in hashes:
             if not self._pins.get(block_hash):
                 raise KeyError(f"complete_load: block {block_hash!r} is not being loaded")
@@ -238,7 +239,7 @@ class CascadeOffloadingManager(OffloadingManager):
     # --- writing -----------------------------------------------------------
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        hashes = _distinct("prepare_store", block_hashes)
+        hashes = distinct_hashes("prepare_store", block_hashes)
         on_disk = [h for h in hashes if self._cpu_core.get_block(h) is None and self._present(h)]
         skip = set(on_disk)
         cpu_input = [h for h in hashes if h not in skip]
@@ -387,10 +388,3 @@ class CascadeOffloadingManager(OffloadingManager):
         removed: list[BlockHash] = self._disk_core.discard(list(block_hashes))
         self._drain()
         return removed
-
-
-def _distinct(call: str, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
-    hashes = list(block_hashes)
-    if len(set(hashes)) != len(hashes):
-        raise ValueError(f"{call}: duplicate block hashes in one call: {hashes!r}")
-    return hashes

@@ -26,6 +26,7 @@ from kvtier.offload.abstract import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
+    distinct_hashes,
 )
 from kvtier.offload.backend import Backend, BlockStatus
 from kvtier.offload.counters import OffloadingCounters
@@ -39,15 +40,6 @@ EvictSplit = Callable[[int, Set[BlockHash]], tuple[list[BlockHash], list[BlockSt
 
 def _as_list(block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
     return block_hashes if type(block_hashes) is list else list(block_hashes)
-
-
-def _check_distinct(call: str, hashes: list[BlockHash]) -> set[BlockHash]:
-    distinct = set(hashes)
-    if len(distinct) != len(hashes):
-        seen: set[BlockHash] = set()
-        dups = [h for h in hashes if h in seen or seen.add(h)]  # type: ignore[func-returns-value]
-        raise ValueError(f"{call}: duplicate block hashes in one call: {dups!r}")
-    return distinct
 
 
 def _not_loadable(call: str, block_hash: BlockHash, block: BlockStatus | None) -> Exception:
@@ -118,7 +110,7 @@ class PolicyOffloadingManager(OffloadingManager):
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         if len(hashes) > 1 and len(set(hashes)) != len(hashes):
-            _check_distinct("prepare_load", hashes)
+            distinct_hashes("prepare_load", hashes)  # raises
         blocks: list[Any] = self._get_many(hashes)
         for i, block in enumerate(blocks):
             if block is None or block.ref_cnt < 0:
@@ -152,7 +144,7 @@ class PolicyOffloadingManager(OffloadingManager):
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         protected = set(hashes)
         if len(protected) != len(hashes):
-            _check_distinct("prepare_store", hashes)
+            distinct_hashes("prepare_store", hashes)  # raises
         to_store = self._absent(hashes)
         backend = self.backend
         if not to_store:

@@ -31,6 +31,7 @@ from kvtier.offload.abstract import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
+    distinct_hashes,
 )
 from kvtier.remote.async_lookup import AsyncLookups
 from kvtier.remote.redis_store import RedisBlockStore
@@ -52,14 +53,6 @@ class RemoteLoadStoreSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"RemoteLoadStoreSpec({len(self.block_hashes)} blocks, salt={self.salt!r})"
-
-
-def _distinct(call: str, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
-    hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
-    if len(set(hashes)) != len(hashes):
-        dups = [h for h, n in Counter(hashes).items() if n > 1]
-        raise ValueError(f"{call}: duplicate block hashes in one call: {dups!r}")
-    return hashes
 
 
 class RemoteOffloadingManager(OffloadingManager):
@@ -103,14 +96,14 @@ class RemoteOffloadingManager(OffloadingManager):
             self._async.close()
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
-        hashes = _distinct("prepare_load", block_hashes)
+        hashes = distinct_hashes("prepare_load", block_hashes)
         self._loading.update(hashes)
         if self._synthetic is not None:
             self.store.load(hashes, self.salt)
         return RemoteLoadStoreSpec(hashes, self.salt)
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
-        hashes = _distinct("complete_load", block_hashes)
+        hashes = distinct_hashes("complete_load", block_hashes)
         absent = [h for h in hashes if self._loading[h] <= 0]
         if absent:  # (reading a Counter's absent key does not insert it)
             raise KeyError(f"complete_load: blocks not being loaded: {absent!r}")
@@ -125,7 +118,7 @@ class RemoteOffloadingManager(OffloadingManager):
         Skipping the store while the server is known down saves the engine the
         device-to-host copies of a job that could only fail.
         """
-        hashes = _distinct("prepare_store", block_hashes)
+        hashes = distinct_hashes("prepare_store", block_hashes)
         if self.store.breaker.rejecting():
             hashes = []
         to_store = [h for h in hashes if h not in self._storing]
