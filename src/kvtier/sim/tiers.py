@@ -130,13 +130,17 @@ def build_tiers(
 
     capacity = config.cpu_capacity(workload)
     bs = workload.block_size
-    cpu: OffloadingManager = CPUOffloadingManager(bs, capacity, cache_policy=config.policy)
-    if config.store_threshold:
-        cpu = FilterReusedOffloadingManager(cpu, store_threshold=config.store_threshold)
-    tiers = OffloadTiers(cpu, capacity, config.policy, disk_capacity=config.disk_blocks)
+    local = None
+    manager: OffloadingManager
     if config.disk_blocks:
-        tiers.local = _cascade(workload, config, disk_store)
-        tiers.manager = tiers.local
+        manager = local = _cascade(bs, capacity, config, disk_store)
+    else:
+        manager = CPUOffloadingManager(bs, capacity, cache_policy=config.policy)
+        if config.store_threshold:
+            manager = FilterReusedOffloadingManager(manager, store_threshold=config.store_threshold)
+    tiers = OffloadTiers(
+        manager, capacity, config.policy, local=local, disk_capacity=config.disk_blocks
+    )
     if config.redis_url is not None:
         from kvtier.remote.tier import RemoteTier
 
@@ -144,22 +148,19 @@ def build_tiers(
         key = layout if layout is not None else f"{namespace}/{workload.name}"
         tiers.remote = RemoteTier.from_url(config.redis_url, key, block_size=bs)
         payload = None if layout is not None else config.remote_payload_bytes
-        manager = tiers.remote.manager(synthetic_payload_bytes=payload)
-        chain = TierChain([("cpu", tiers.manager), ("remote", manager)], layout is None)
+        remote = tiers.remote.manager(synthetic_payload_bytes=payload)
+        chain = TierChain([("cpu", tiers.manager), ("remote", remote)], layout is None)
         tiers.chain = tiers.manager = chain
     return tiers
 
 
-def _cascade(workload: Workload, config: ReplayConfig, disk_store: Any) -> MediumTally:
+def _cascade(bs: int, capacity: int, config: ReplayConfig, disk_store: Any) -> MediumTally:
     """CPU memory then local disk (demotion on CPU eviction, promotion on load)."""
     from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
     from kvtier.offload.cascade import CascadeOffloadingManager
     from kvtier.offload.disk import DiskOffloadingManager
 
-    bs = workload.block_size
-    cpu = CPUOffloadingManager(
-        bs, config.cpu_capacity(workload), cache_policy=config.policy, enable_events=True
-    )
+    cpu = CPUOffloadingManager(bs, capacity, cache_policy=config.policy, enable_events=True)
     disk: OffloadingManager
     if disk_store is not None:  # evictions delete the files
         disk = disk_store.manager(bs, cache_policy=config.policy, enable_events=True)
