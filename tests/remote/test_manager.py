@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+from typing import Any, cast
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -226,3 +230,34 @@ def test_async_questions_are_bounded_oldest_forgotten_first(redis_server: RedisS
         lookups.close()
         with pytest.raises(ValueError, match="max_pending must be >= 1"):
             AsyncLookups(tier.store, None, max_pending=0)
+
+
+class _BlockingStore:
+    """A `count_prefix` that holds the lookup thread until released, recording calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def count_prefix(self, block_hashes: Sequence[BlockHash], salt: str | None) -> int:
+        self.calls.append(len(block_hashes))
+        self.started.set()
+        assert self.release.wait(timeout=30)
+        return 0
+
+
+def test_forgotten_questions_are_not_sent() -> None:
+    store = _BlockingStore()
+    lookups = AsyncLookups(cast(Any, store), None, max_pending=1)
+    try:
+        assert lookups.lookup(H[:1]) is None
+        assert store.started.wait(timeout=30)  # H[:1] is running: it cannot be withdrawn
+        assert lookups.lookup(H[:2]) is None  # queued behind it, forgets H[:1]
+        assert lookups.lookup(H[:3]) is None  # forgets H[:2] before it was sent
+        store.release.set()
+        assert lookups.wait(timeout=30)
+        assert store.calls == [1, 3]
+    finally:
+        store.release.set()
+        lookups.close()

@@ -5,7 +5,8 @@ step. With this, the first `lookup` of a prefix submits it to a background
 thread and answers None; the scheduler asks again on a later step and gets the
 count once it is there (and a repeated question after that starts a fresh one,
 so an answer is never older than one scheduling round). Unanswered questions
-are bounded: the oldest is forgotten first.
+are bounded: the oldest is forgotten first (and not sent, if it has not started:
+the executor's queue is bounded by the same number).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class AsyncLookups:
         future = self._pending.get(key)
         if future is None:
             if len(self._pending) >= self.max_pending:
-                self._pending.popitem(last=False)
+                _, forgotten = self._pending.popitem(last=False)
+                forgotten.cancel()  # no answer will be asked for: don't queue its round trip
             self._pending[key] = self._executor.submit(
                 self.store.count_prefix, list(block_hashes), self.salt
             )
