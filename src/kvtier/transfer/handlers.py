@@ -64,8 +64,7 @@ class HostSlotHandler:
     """Device <-> memory-tier slots, copied directly."""
 
     def __init__(self, kv: DeviceKV, store: MemoryStore) -> None:
-        if store.layout.fingerprint != kv.layout.fingerprint:
-            store.layout.check_compatible(kv.layout.fingerprint, "the memory store")
+        store.layout.check_compatible(kv.layout.fingerprint, "the memory store")
         self.kv = kv
         self.host = store
         self._streams = _Streams(kv)
@@ -114,8 +113,7 @@ class StagedHandler:
     straight from the engine's memory (whole rows, or segments if the store takes them)."""
 
     def __init__(self, kv: DeviceKV, store: BlockStore) -> None:
-        if store.layout.fingerprint != kv.layout.fingerprint:
-            store.layout.check_compatible(kv.layout.fingerprint, "the block store")
+        store.layout.check_compatible(kv.layout.fingerprint, "the block store")
         self.kv = kv
         self.medium = store
         self._streams = _Streams(kv)
