@@ -190,20 +190,22 @@ class DataPlane:
     def bytes_loaded(self) -> int:
         return sum(n for (_, d), n in self.moved.items() if d == "loaded")
 
+    def _store_checksum_failures(self) -> dict[str, int]:
+        """Checksum failures each tier's store counted itself."""
+        return {
+            "cpu": self.host.num_checksum_failures,
+            "disk": self.disk_store.stats().checksum_failures if self.disk_store is not None else 0,
+            "remote": self.remote.stats.corrupt_blocks if self.remote is not None else 0,
+        }
+
     @property
     def checksum_failures(self) -> int:
-        disk = self.disk_store.stats().checksum_failures if self.disk_store is not None else 0
-        remote = self.remote.stats.corrupt_blocks if self.remote is not None else 0
-        return self.host.num_checksum_failures + disk + remote + self.verify_failures
+        return sum(self._store_checksum_failures().values()) + self.verify_failures
 
     def failures(self, tier: str) -> int:
         """Checksum failures of one tier's store plus wrong bytes it served."""
-        own = {
-            "cpu": self.host.num_checksum_failures,
-            "disk": self.disk_store.stats().checksum_failures if self.disk_store else 0,
-            "remote": self.remote.stats.corrupt_blocks if self.remote is not None else 0,
-        }
-        return own.get(tier, 0) + self.verify_failures_by_tier[tier]
+        own = self._store_checksum_failures().get(tier, 0)
+        return own + self.verify_failures_by_tier[tier]
 
     def close(self) -> None:
         for worker in self._workers.values():
