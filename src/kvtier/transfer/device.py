@@ -31,12 +31,18 @@ def allocate_kv_caches(
     layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"
 ) -> list[torch.Tensor]:
     """Zeroed engine caches in `layout`'s shape (one per layer, or one in all)."""
+    shape = cache_shape(layout, num_blocks)
     dtype = getattr(torch, layout.dtype)
+    count = layout.num_layers if layout.per_layer else 1
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+
+
+def cache_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+    """The shape of one engine cache tensor (see `kvtier.store.layout`)."""
     plane = (layout.block_size, layout.num_kv_heads, layout.head_size)
     if layout.per_layer:
-        shape: tuple[int, ...] = (2, num_blocks, *plane)
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
-    return [torch.zeros((num_blocks, layout.num_layers, 2, *plane), dtype=dtype, device=device)]
+        return (2, num_blocks, *plane)
+    return (num_blocks, layout.num_layers, 2, *plane)
 
 
 class DeviceKV:
@@ -69,12 +75,7 @@ class DeviceKV:
 
     def _check(self, tensor: torch.Tensor) -> None:
         lay = self.layout
-        plane = (lay.block_size, lay.num_kv_heads, lay.head_size)
-        shape = (
-            (2, self.num_blocks, *plane)
-            if lay.per_layer
-            else (self.num_blocks, lay.num_layers, 2, *plane)
-        )
+        shape = cache_shape(lay, self.num_blocks)
         if tuple(tensor.shape) != shape or str(tensor.dtype) != f"torch.{lay.dtype}":
             raise ValueError(
                 f"cache tensor {tuple(tensor.shape)} {tensor.dtype} does not match layout "
