@@ -196,22 +196,15 @@ class DiskStore:
         self._dropped_at_recovery += 1
 
     def _valid_size(self, path: str, block_hash: BlockHash) -> int | None:
-        """The file's size if its header is intact and ours, else None."""
+        """The file's size if its header is intact and ours, else None (the loads' check)."""
         try:
             with open(path, "rb") as file:
-                header = BlockHeader.unpack(file.read(BlockHeader.size_for(len(block_hash))))
+                raw_header = file.read(BlockHeader.size_for(len(block_hash)))
+                self._header_check.payload_checksum(raw_header, block_hash)
                 size = os.fstat(file.fileno()).st_size
         except (OSError, FormatError):
             return None
-        expected = BlockHeader.size_for(len(block_hash)) + self._layout.bytes_per_block
-        if (
-            header.block_hash != block_hash
-            or header.fingerprint != self._layout.fingerprint_bytes
-            or header.payload_len != self._layout.bytes_per_block
-            or size != expected
-        ):
-            return None
-        return size
+        return size if size == self.file_bytes(block_hash) else None
 
     # --- writing ------------------------------------------------------------
 
