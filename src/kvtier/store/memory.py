@@ -71,10 +71,7 @@ class MemoryStore:
 
     def segment_arrays(self) -> list[npt.NDArray[np.uint8]]:
         """`segments()` as numpy views (what CPU copies use; cheaper to keep than remake)."""
-        if not self._layout.per_layer:
-            return [self.array]
-        size = self._layout.segment_bytes
-        return [self.array[:, i * size : (i + 1) * size] for i in range(self._layout.num_segments)]
+        return [segment.numpy() for segment in self.segments()]
 
     def slot_ids(self, spec: LoadStoreSpec) -> npt.NDArray[np.int64]:
         """The spec's slot ids, validated against the buffer."""
