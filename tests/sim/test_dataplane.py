@@ -67,3 +67,16 @@ def test_data_refuses_what_it_cannot_move() -> None:
         ReplayConfig(data=True, gpu_blocks=10, disk_blocks=10)
     with pytest.raises(ValueError, match="store_on"):
         ReplayConfig(data=True, gpu_blocks=10, store_on="evict")
+
+
+def test_a_failed_construction_leaves_no_worker_running() -> None:
+    import threading
+
+    class BrokenRemote:
+        def kv_store(self, layout: object) -> object:
+            raise OSError("remote tier unreachable")
+
+    before = threading.active_count()
+    with pytest.raises(OSError, match="unreachable"):
+        DataPlane(small_layout(4), device_blocks=4, cpu_slots=4, remote=BrokenRemote())
+    assert threading.active_count() == before  # the CPU tier's worker was closed

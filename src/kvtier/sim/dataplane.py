@@ -70,14 +70,20 @@ class DataPlane:
         self.disk_store: Any = None
         self._handler: Any = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        if disk_blocks:
-            self.worker = self._cascade_worker(disk_blocks)
-        else:
-            self.worker = TransferWorker.for_store(self.kv, self.host)
         self.remote = remote
-        self._workers = {"cpu": self.worker}
-        if remote is not None:
-            self._workers["remote"] = TransferWorker.for_store(self.kv, remote.kv_store(layout))
+        self._workers: dict[str, Any] = {}
+        try:  # a failure half way must not leave worker threads or the directory behind
+            if disk_blocks:
+                self.worker = self._cascade_worker(disk_blocks)
+            else:
+                self.worker = TransferWorker.for_store(self.kv, self.host)
+            self._workers["cpu"] = self.worker
+            if remote is not None:
+                store = remote.kv_store(layout)
+                self._workers["remote"] = TransferWorker.for_store(self.kv, store)
+        except BaseException:
+            self.close()
+            raise
         self._segments: list[npt.NDArray[np.uint8]] = [s.numpy() for s in self.kv.segments]
         self._job = 0
         # (tier, "stored" | "loaded") -> bytes, as the specs split them between tiers.

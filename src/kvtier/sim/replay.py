@@ -10,6 +10,7 @@ With an accelerator tier the requests go through the connector instead
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -136,21 +137,22 @@ def _replay_with_data(workload: Workload, config: ReplayConfig) -> ReplayResult:
     capacity = config.cpu_capacity(workload)
     namespace = config.redis_namespace or f"replay-{uuid.uuid4().hex}"
     layout = small_layout(workload.block_size, model_id=f"kvtier-replay/{namespace}")
-    tiers = build_tiers(workload, config, layout=layout) if config.redis_url else None
-    remote = tiers.remote if tiers is not None else None
-    dp = DataPlane(layout, max(1, longest), max(1, capacity), config.disk_blocks, remote)
-    try:
+    with contextlib.ExitStack() as cleanup:  # closes the data plane first, then the tiers
+        tiers = None
+        if config.redis_url:
+            tiers = build_tiers(workload, config, layout=layout)
+            cleanup.callback(tiers.close)
+        remote = tiers.remote if tiers is not None else None
+        dp = DataPlane(layout, max(1, longest), max(1, capacity), config.disk_blocks, remote)
+        cleanup.callback(dp.close)
         if tiers is None:
             tiers = build_tiers(workload, config, disk_store=dp.disk_store)
+            cleanup.callback(tiers.close)
         total = TierCounters("cpu", capacity, config.policy)
         started = time.perf_counter()
         cascade = tiers.local.inner if tiers.local is not None else None
         tallies = data_offload_loop(workload, tiers.manager, total, dp, cascade)
         seconds = time.perf_counter() - started
-    finally:
-        dp.close()
-        if tiers is not None:
-            tiers.close()
     result = _result(workload, total, tallies, seconds)
     if tiers.local is None and tiers.chain is None:
         return result

@@ -85,10 +85,10 @@ def _run(
     progress: Progress | None,
 ) -> ReplayResult:
     bs, capacity = workload.block_size, tiers.cpu_capacity
-    if config.data:
-        tally.dp = DataPlane(small_layout(bs), config.gpu_blocks, max(1, capacity))
-    started = time.perf_counter()
     try:
+        if config.data:
+            tally.dp = DataPlane(small_layout(bs), config.gpu_blocks, max(1, capacity))
+        started = time.perf_counter()
         if config.time_model is None:
             _sequential(workload, connector, tally, progress)
         else:
