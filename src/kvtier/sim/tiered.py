@@ -19,19 +19,16 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvtier.connector import Admission, OffloadConnector, TransferJob
 from kvtier.request import Request
 from kvtier.sim.concurrency import TimeModel
 from kvtier.sim.dataplane import DataPlane, small_layout
 from kvtier.sim.metrics import ReplayResult, TierCounters
+from kvtier.sim.replay import PROGRESS_EVERY, Progress, ReplayConfig
+from kvtier.sim.tiers import OffloadTiers, build_tiers
 from kvtier.sim.workload import Workload
 from kvtier.types import BlockHash
-
-if TYPE_CHECKING:
-    from kvtier.sim.replay import Progress, ReplayConfig
-    from kvtier.sim.tiers import OffloadTiers
 
 
 @dataclass
@@ -55,8 +52,6 @@ class _Tally:
 def replay_with_connector(
     workload: Workload, config: ReplayConfig, progress: Progress | None = None
 ) -> ReplayResult:
-    from kvtier.sim.tiers import build_tiers
-
     bs = workload.block_size
     tiers = build_tiers(workload, config)
     capacity = tiers.cpu_capacity
@@ -199,7 +194,7 @@ def _sequential(
 ) -> None:
     bs = workload.block_size
     for i, request, hs in _requests(workload):
-        if progress is not None and i % 512 == 0:
+        if progress is not None and i % PROGRESS_EVERY == 0:
             progress(i)
         if request is None:
             continue
