@@ -86,3 +86,13 @@ def test_counting_store_offers_instead_of_lookups() -> None:
     assert f.counts == {}  # lookups are not counted in this mode
     assert stored(f, 1, 2) == []  # first offer
     assert stored(f, 2, 1) == h(2, 1)  # second offer: stored, input order kept
+
+
+@pytest.mark.parametrize("count_store_offers", [False, True])
+def test_duplicate_offers_are_refused_before_counting(count_store_offers: bool) -> None:
+    f = make(count_store_offers=count_store_offers)
+    f.lookup(h(1))
+    before = dict(f.counts)
+    with pytest.raises(ValueError, match="duplicate"):  # refused even if filtered out
+        f.prepare_store(h(1, 2, 1))
+    assert f.counts == before and f.counters.filtered_out == 0

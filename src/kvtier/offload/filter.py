@@ -19,6 +19,7 @@ from kvtier.offload.abstract import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
+    distinct_hashes,
 )
 from kvtier.offload.counters import OffloadingCounters
 from kvtier.types import BlockHash
@@ -69,7 +70,8 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing.lookup(hashes)
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        hashes = list(block_hashes)
+        # refused before counting: a rejected call changes nothing, whatever gets filtered
+        hashes = distinct_hashes("prepare_store", block_hashes)
         if self.count_store_offers:
             self._count(hashes)
         get, threshold = self.counts.get, self.store_threshold
