@@ -91,6 +91,19 @@ def test_replay_html_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "checksum failures" in text and "<td>cpu</td>" in text  # the per-tier table
 
 
+def test_report_stores_count_offload_tiers_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli.report import replay_rows
+    from kvtier.sim import ReplayConfig, generate_workload, run_replays
+    from kvtier.sim.generator import GeneratorConfig
+
+    workload = generate_workload(GeneratorConfig(num_requests=100))
+    report = run_replays(workload, ["lru"], ReplayConfig(gpu_blocks=200, cpu_blocks=100))
+    (result,) = report.results
+    gpu, cpu = result.tiers
+    assert gpu.name == "gpu" and gpu.stores > 0 and result.offload_tiers == (cpu,)
+    assert replay_rows(report)[1][-1] == f"{cpu.stores:,}"  # as in the terminal table
+
+
 def test_compare_table_png_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png, html = tmp_path / "c.png", tmp_path / "c.html"
     argv = ["compare", "--limit", "120", "--fracs", "0.02,0.1", "--png", str(png)]

@@ -68,9 +68,9 @@ def replay_table(report: ReplayReport) -> Table:
             _pct(r.prefix_hit_rate),
             _pct(r.token_hit_rate),
             _count(r.prefill_tokens_saved),
-            _count(sum(t.stores for t in r.tiers if t.name != "gpu")),
-            _count(sum(t.evictions for t in r.tiers if t.name != "gpu")),
-            _count(sum(t.filtered_stores for t in r.tiers if t.name != "gpu")),
+            _count(sum(t.stores for t in r.offload_tiers)),
+            _count(sum(t.evictions for t in r.offload_tiers)),
+            _count(sum(t.filtered_stores for t in r.offload_tiers)),
         )
     table.add_section()
     table.add_row("belady", _pct(b.belady), style="dim")

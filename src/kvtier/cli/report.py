@@ -122,7 +122,7 @@ def replay_rows(report: ReplayReport) -> list[list[str]]:
                 f"{r.prefix_hit_rate:.4f}",
                 f"{r.token_hit_rate:.4f}",
                 f"{r.prefill_tokens_saved:,}",
-                f"{sum(t.stores for t in r.tiers):,}",
+                f"{sum(t.stores for t in r.offload_tiers):,}",
             ]
         )
     rows.append(["belady", f"{report.bounds.belady:.4f}", "", "", "", ""])

@@ -73,6 +73,11 @@ class ReplayResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def offload_tiers(self) -> tuple[TierStats, ...]:
+        """The tiers below the accelerator (whose "stores" count blocks it computed)."""
+        return tuple(t for t in self.tiers if t.name != "gpu")
+
+    @property
     def hit_rate(self) -> float:
         return self.any_hit_blocks / self.block_refs if self.block_refs else 0.0
 
