@@ -55,6 +55,13 @@ def digest_function(algorithm: HashAlgorithm) -> Callable[[bytes], bytes]:
         ) from None
 
 
+def positive_int(name: str, value: object, minimum: int = 1) -> int:
+    """`value` itself when it is an int (not a bool) >= minimum; else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 def hash_object(obj: Any, algorithm: HashAlgorithm = "sha256_cbor") -> BlockHash:
     """`H(obj)`: the digest of obj's canonical CBOR encoding."""
     return BlockHash(digest_function(algorithm)(cbor2.dumps(obj, canonical=True)))
@@ -99,10 +106,7 @@ class BlockHashSpec:
     algorithm: HashAlgorithm = "sha256_cbor"
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
-            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        positive_int("block_size", self.block_size)
         if self.lora_path is not None and self.lora_name is None:
             raise ValueError(f"lora_path {self.lora_path!r} given without a lora_name")
         digest_function(self.algorithm)

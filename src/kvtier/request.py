@@ -14,7 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.hashing import BlockHashSpec, HashAlgorithm, MultiModalInput, hash_blocks
+from kvtier.hashing import (
+    BlockHashSpec,
+    HashAlgorithm,
+    MultiModalInput,
+    hash_blocks,
+    positive_int,
+)
 from kvtier.types import BlockHash
 
 
@@ -112,18 +118,15 @@ class Request:
         by output tokens get no hash, so they are never cached.
         """
         hashes = list(block_hashes)
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        if num_prompt_tokens < 1:
-            raise ValueError(f"a request needs at least 1 prompt token, got {num_prompt_tokens}")
+        positive_int("block_size", block_size)
+        request = cls.__new__(cls)
+        request._init_common(request_id, num_prompt_tokens, cache_salt, lora_name, lora_path)
         num_full = num_prompt_tokens // block_size
         if len(hashes) > num_full:
             raise ValueError(
                 f"{len(hashes)} block hashes given but {num_prompt_tokens} prompt tokens fill "
                 f"only {num_full} full blocks of {block_size}: hashes are for full blocks only"
             )
-        request = cls.__new__(cls)
-        request._init_common(request_id, num_prompt_tokens, cache_salt, lora_name, lora_path)
         request._token_ids = None
         request._precomputed = True
         request.mm_inputs = ()

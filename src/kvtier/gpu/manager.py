@@ -25,19 +25,13 @@ from kvtier.gpu.sliding_window import (
     skipped_block_indices,
 )
 from kvtier.gpu.stats import PrefixCacheStats
-from kvtier.hashing import HashAlgorithm, digest_function
+from kvtier.hashing import HashAlgorithm, digest_function, positive_int
 from kvtier.request import Request
 from kvtier.types import BlockHash
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class KVCacheManager:
@@ -60,12 +54,12 @@ class KVCacheManager:
         """`on_evict(hash)` is called for every cached block the pool evicts (cheaper
         than draining events); `num_preallocate_tokens` extra slots are reserved per
         allocation so decode needs fewer calls that allocate."""
-        self.block_size = _positive_int("block_size", block_size)
-        self.max_model_len = _positive_int("max_model_len", max_model_len)
+        self.block_size = positive_int("block_size", block_size)
+        self.max_model_len = positive_int("max_model_len", max_model_len)
         if sliding_window is not None:
-            _positive_int("sliding_window", sliding_window)
+            positive_int("sliding_window", sliding_window)
         self.sliding_window = sliding_window
-        _positive_int("num_preallocate_tokens", num_preallocate_tokens, minimum=0)
+        positive_int("num_preallocate_tokens", num_preallocate_tokens, minimum=0)
         self.num_preallocate_tokens = num_preallocate_tokens
         self.num_preallocate_blocks = _cdiv(num_preallocate_tokens, block_size)
         self.max_num_blocks_per_req = _cdiv(max_model_len, block_size)
@@ -134,7 +128,7 @@ class KVCacheManager:
         hold the request right now (nothing changed). A cached block sitting in the free
         queue counts as free, except the ones this request is about to reuse.
         """
-        _positive_int("num_tokens", num_tokens)
+        positive_int("num_tokens", num_tokens)
         request_id = request.request_id
         if request_id in self._req_blocks:
             raise ValueError(f"request {request_id!r} already has blocks; use append_slots")
@@ -170,7 +164,7 @@ class KVCacheManager:
         pool cannot hold them (nothing changed). With a sliding window, blocks that fell
         out of the window are released first.
         """
-        _positive_int("num_tokens", num_tokens)
+        positive_int("num_tokens", num_tokens)
         blocks = self._blocks_of(request.request_id)
         num_computed_tokens = request.num_computed_tokens + num_tokens
         self._check_length(request, num_computed_tokens)
