@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.remote.breaker import BreakerConfig, BreakerState
 from kvtier.remote.codec import BlockCodec
 from kvtier.remote.config import RemoteConfig
 from kvtier.remote.redis_store import RedisBlockStore, RemoteStartupError
@@ -170,3 +171,28 @@ def test_a_key_of_another_type_is_refused_not_an_error(redis_server: RedisServer
     stats = store.stats
     assert (stats.malformed_blocks, stats.errors) == (2, 0)
     client.close()
+
+
+class _FailingPing:
+    """A client whose PING fails with each of `errors` in turn."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors = list(errors)
+
+    def ping(self) -> bool:
+        raise self.errors.pop(0)
+
+
+def test_a_probe_that_raises_a_bug_does_not_wedge_the_breaker() -> None:
+    clock = FakeClock()
+    config = RemoteConfig(breaker=BreakerConfig(failure_threshold=1, reset_timeout_s=5.0))
+    client = _FailingPing(ConnectionError("down"), TypeError("a bug"))
+    store = RedisBlockStore(client, BlockCodec.for_fingerprint(FP), config, clock)  # type: ignore[arg-type]
+    assert not store.ping()  # opens the breaker
+    clock.advance(5.0)
+    with pytest.raises(TypeError, match="a bug"):
+        store.ping()  # the half-open probe: raises, and counts as a failure
+    assert store.breaker.state is BreakerState.OPEN
+    clock.advance(5.0)
+    assert store.breaker.allow()  # a new probe after a full period
+    assert store.stats.errors == 2

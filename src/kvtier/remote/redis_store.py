@@ -311,6 +311,9 @@ class RedisBlockStore:
         except (RedisError, OSError) as exc:
             self._failed(what, exc)
             return fallback
+        except BaseException as exc:  # a bug, not the server: raise it, but as a failed call,
+            self._failed(what, exc)  # or a half-open breaker would wait for this probe forever
+            raise
         self.breaker.record_success()
         return result
 
