@@ -57,16 +57,15 @@ class FreeKVCacheBlockQueue:
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink a block from anywhere in the queue in O(1)."""
-        prev_block, next_block = block.prev_free, block.next_free
-        if prev_block is None or next_block is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
-        prev_block.next_free = next_block
-        next_block.prev_free = prev_block
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
+        self.remove_all([block])
 
     def remove_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Unlink every given block (all must be in the queue; checked, O(len))."""
+        """Unlink every given block (all must be in the queue, each listed once; O(len)).
+
+        Checked block by block: a failure leaves the blocks before it unlinked (and the
+        count stale), so callers hand in only blocks known to be queued (`BlockPool.touch`
+        does: reference count 0, each once).
+        """
         for block in blocks:
             prev_block, next_block = block.prev_free, block.next_free
             if prev_block is None or next_block is None:
