@@ -137,7 +137,7 @@ class RedisBlockStore:
         return ns
 
     def key(self, block_hash: bytes, salt: str | None = None) -> bytes:
-        return b"".join((self.namespace(salt), block_hash.hex().encode(), b"}"))
+        return self._keys((block_hash,), salt)[0]
 
     def _keys(self, block_hashes: Sequence[bytes], salt: str | None) -> list[bytes]:
         ns = self.namespace(salt)
