@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast, get_args
+from typing import Any, cast
 
 
 class TraceFormatError(ValueError):
@@ -156,12 +156,11 @@ def read_tokens(
     `cache_salt` and `lora_name`. Only full blocks get a hash, as in the engine.
     The hashes are interned to dense integers so the replay treats every format alike.
     """
-    from kvtier.hashing import HashAlgorithm, hash_request_blocks
+    from kvtier.hashing import HashAlgorithm, digest_function, hash_request_blocks, positive_int
 
-    if algorithm not in get_args(HashAlgorithm):
-        raise ValueError(f"unknown hash algorithm {algorithm!r}; known: {get_args(HashAlgorithm)}")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be > 0, got {block_size}")
+    # Checked before the first line, so that a bad call fails on an empty trace too.
+    digest_function(cast("HashAlgorithm", algorithm))
+    positive_int("block_size", block_size)
     interned: dict[bytes, int] = {}
     requests: list[TraceRequest] = []
     for index, (where, obj) in enumerate(_json_lines(Path(path))):
