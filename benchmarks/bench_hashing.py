@@ -10,7 +10,6 @@ Also measured: the incremental cost of decode (one new full block at a time).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import random
 import statistics
 import time
@@ -19,22 +18,17 @@ from typing import Any
 
 import cbor2
 import numpy as np
-import xxhash
 
 from benchmarks.common import write_result
 from kvtier import Request
-from kvtier.hashing import HashAlgorithm, hash_request_blocks, none_hash
+from kvtier.hashing import HashAlgorithm, digest_function, hash_request_blocks, none_hash
 
 NUM_TOKENS = 100_000
 BLOCK_SIZE = 16
-DIGESTS: dict[str, Callable[[bytes], bytes]] = {
-    "sha256_cbor": lambda data: hashlib.sha256(data).digest(),
-    "xxh3_128": xxhash.xxh3_128_digest,
-}
 
 
 def baseline(tokens: list[int], block_size: int, algorithm: HashAlgorithm) -> list[bytes]:
-    digest = DIGESTS[algorithm]
+    digest = digest_function(algorithm)
     parent: bytes = none_hash(algorithm)
     out = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
