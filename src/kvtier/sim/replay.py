@@ -122,8 +122,6 @@ def replay(
         )
     finally:
         tiers.close()
-    if tiers.chain is None and tiers.local is None:
-        return result
     per_tier = tiers.stats(total, workload.block_refs, workload.block_size)
     return dataclasses.replace(result, tiers=tuple(per_tier))
 
