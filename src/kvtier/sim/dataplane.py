@@ -167,13 +167,13 @@ class DataPlane:
         tier: str = "cpu",
     ) -> bool:
         """Copy the blocks in and verify every byte; False: treat as a miss (recompute)."""
-        device_ids = list(device_ids)
+        ids = list(device_ids)
         for seg in self._segments:  # so stale bytes cannot pass for a correct load
-            seg[list(device_ids)] = 0
-        ok, _ = self._run(self._workers[tier].submit_load, spec, list(device_ids))
+            seg[ids] = 0
+        ok, _ = self._run(self._workers[tier].submit_load, spec, ids)
         if ok:
-            self._count("loaded", spec, len(device_ids), tier)
-        if ok and not self.verify(device_ids, hashes):
+            self._count("loaded", spec, len(ids), tier)
+        if ok and not self.verify(ids, hashes):
             self.verify_failures_by_tier[tier] += 1
             return False
         return ok
