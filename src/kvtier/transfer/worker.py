@@ -141,12 +141,15 @@ class TransferWorker:
                 raise ValueError(f"job id {job.job_id} is already in flight")
             self._outstanding.add(job.job_id)
             self._order[direction].append(job.job_id)
-        try:
-            self._queues[direction].put_nowait((direction, job))
-        except queue.Full:
-            self.errors.append((job.job_id, f"{direction} queue full"))
-            self._complete(direction, TransferResult(job.job_id, False, 0, 0.0))
-            return False
+            # Queued under the lock, so close() cannot put its stop marker ahead of a
+            # job it let through (that job would never run and wait() would hang).
+            # The Condition's lock is re-entrant, so _complete may take it again.
+            try:
+                self._queues[direction].put_nowait((direction, job))
+            except queue.Full:
+                self.errors.append((job.job_id, f"{direction} queue full"))
+                self._complete(direction, TransferResult(job.job_id, False, 0, 0.0))
+                return False
         return True
 
     # completion
