@@ -110,7 +110,7 @@ class BlockHashSpec:
         if self.lora_path is not None and self.lora_name is None:
             raise ValueError(f"lora_path {self.lora_path!r} given without a lora_name")
         digest_function(self.algorithm)
-        object.__setattr__(self, "mm_inputs", _check_mm_inputs(self.mm_inputs))
+        object.__setattr__(self, "mm_inputs", check_mm_inputs(self.mm_inputs))
 
     @property
     def has_extra_keys(self) -> bool:
@@ -136,7 +136,8 @@ class BlockHashSpec:
         return tuple(keys) if keys else None
 
 
-def _check_mm_inputs(mm_inputs: Sequence[Any]) -> tuple[MultiModalInput, ...]:
+def check_mm_inputs(mm_inputs: Sequence[Any]) -> tuple[MultiModalInput, ...]:
+    """The items as `MultiModalInput`s, refused unless in position order without overlap."""
     items = tuple(MultiModalInput(*item) for item in mm_inputs)
     previous_end = 0
     for item in items:

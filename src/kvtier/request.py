@@ -17,7 +17,7 @@ import numpy as np
 from kvtier.hashing import (
     BlockHashSpec,
     HashAlgorithm,
-    MultiModalInput,
+    check_mm_inputs,
     hash_blocks,
     positive_int,
 )
@@ -64,7 +64,7 @@ class Request:
         self._init_common(request_id, len(tokens), cache_salt, lora_name, lora_path)
         self._token_ids: list[int] | None = tokens
         self._precomputed = False
-        self.mm_inputs = tuple(MultiModalInput(*m) for m in mm_inputs)
+        self.mm_inputs = check_mm_inputs(mm_inputs)  # at once, not at the first hashing
         for item in self.mm_inputs:
             if item.offset + item.length > len(tokens):
                 raise ValueError(

@@ -73,6 +73,7 @@ def test_from_block_hashes_full_blocks_only() -> None:
         (("r", []), {}, "at least 1 prompt token"),
         (("r", [1, 2]), {"lora_path": "/p"}, "without a lora_name"),
         (("r", [1, 2]), {"mm_inputs": [("i", 1, 5)]}, "ends after the prompt"),
+        (("r", [1] * 20), {"mm_inputs": [("a", 10, 5), ("b", 12, 1)]}, "position order"),
         (("r", np.array([1.5])), {}, "integers"),
     ],
 )
