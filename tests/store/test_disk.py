@@ -148,3 +148,21 @@ def test_concurrent_writer_reader_and_discards(tmp_path: Path) -> None:
     assert errors == []
     assert store.stats().num_blocks == 48
     assert all(read(store, i) == payload(i) for i in range(16, 64))
+
+
+def test_discard_never_raises_when_the_file_cannot_be_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # discard runs inside the scheduler's prepare_store (via the backend's on_free hook).
+    store = open_store(tmp_path)
+    store.write([int_block_hash(1), int_block_hash(2)], [payload(1), payload(2)])
+
+    def refuse(path: object) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    store.discard([int_block_hash(1)])
+    monkeypatch.undo()
+    assert "could not delete" in caplog.text
+    assert store.stats().num_blocks == 1  # its bytes no longer count against capacity
+    assert read(store, 2) == payload(2)
