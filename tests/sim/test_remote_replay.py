@@ -50,7 +50,7 @@ def test_remote_tier_serves_what_the_cpu_tier_lost(redis_url: str) -> None:
     cpu, remote = both.tiers
     assert (cpu.name, remote.name) == ("cpu", "remote")
     assert remote.hit_blocks > 0 and remote.bytes_stored > 0 and remote.bytes_loaded > 0
-    assert remote.checksum_failures == 0
+    assert remote.checksum_failures == 0 and remote.stores > 0
     assert both.prefix_hit_blocks > alone.prefix_hit_blocks
     assert both.prefix_hit_blocks == cpu.hit_blocks + remote.hit_blocks
 
@@ -97,3 +97,13 @@ def test_real_bytes_through_redis_are_verified(redis_url: str) -> None:
     assert remote.hit_blocks > 0 and remote.bytes_loaded == remote.hit_blocks * size
     assert cpu.bytes_loaded == cpu.hit_blocks * size
     assert cpu.checksum_failures == remote.checksum_failures == 0
+
+
+def test_an_unreachable_redis_stores_nothing() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workload = generate_workload(GeneratorConfig(num_requests=40), seed=7)
+    config = ReplayConfig("lru", cpu_blocks=400, redis_url=f"redis://127.0.0.1:{port}/0")
+    cpu, remote = replay(workload, config).tiers
+    assert cpu.stores > 0 and remote.stores == remote.hit_blocks == 0  # planned, never written

@@ -110,6 +110,7 @@ class OffloadTiers:
             )
             if name == "remote" and self.remote is not None:
                 s = self.remote.stats
+                c.stores = s.stored_blocks  # written, not just planned: Redis may be down
                 c.bytes_stored, c.bytes_loaded = s.stored_bytes, s.loaded_bytes
                 c.checksum_failures = s.corrupt_blocks
             result.append(c.freeze(block_refs))
