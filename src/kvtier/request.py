@@ -165,9 +165,12 @@ class Request:
     def output_token_ids(self) -> Sequence[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
 
-    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+    def append_output_token_ids(self, token_ids: int | np.integer[Any] | Sequence[int]) -> None:
         """Append generated tokens (decode); a hash-built request only counts them."""
-        new = [token_ids] if isinstance(token_ids, int) else _token_list(token_ids)
+        if isinstance(token_ids, int | np.integer):  # a sampler's numpy scalar too
+            new = [int(token_ids)]
+        else:
+            new = _token_list(token_ids)
         if self._token_ids is not None:
             self._token_ids.extend(new)
         self._num_tokens += len(new)

@@ -37,7 +37,7 @@ def test_decode_hashes_only_new_full_blocks(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(request.block_hashes) == 2
     request.append_output_token_ids([100, 101])
     assert len(request.block_hashes) == 3  # tokens 8..11 now full
-    request.append_output_token_ids(102)
+    request.append_output_token_ids(np.int64(102))  # one token, as a sampler returns it
     assert len(request.block_hashes) == 3  # nothing new: no hashing call
     assert calls == [(0, 10), (2, 4)]
     assert list(request.block_hashes) == hash_request_blocks([*range(10), 100, 101, 102], 4)
