@@ -77,6 +77,23 @@ def test_failed_store_leaves_nothing_readable() -> None:
     assert chain.lookup(_h(1)) == 0
 
 
+def test_a_refused_load_unpins_the_parts_before_it() -> None:
+    class Refusing(CPUOffloadingManager):
+        def prepare_load(self, block_hashes):  # type: ignore[no-untyped-def]
+            raise KeyError("gone")
+
+    top = CPUOffloadingManager(4, 2, cache_policy="lru")
+    chain = TierChain([("cpu", top), ("disk", Refusing(4, 8, cache_policy="lru"))])
+    _store(chain, _h(1, 2))
+    _store(chain, _h(3))  # the top tier evicts 1 for it
+    assert chain.lookup(_h(2, 3, 1)) == 3  # 2, 3 from the top, 1 from the bottom
+    with pytest.raises(KeyError, match="gone"):
+        chain.prepare_load(_h(2, 3, 1))
+    assert chain.tallies["cpu"].hit_blocks == 0
+    out = top.prepare_store(_h(7, 8))  # 2 and 3 are not pinned: they can make room
+    assert out is not None and sorted(out.block_hashes_evicted) == _h(2, 3)
+
+
 def test_errors() -> None:
     with pytest.raises(ValueError, match="distinct"):
         TierChain([("a", CPUOffloadingManager(4, 2)), ("a", CPUOffloadingManager(4, 2))])

@@ -94,14 +94,20 @@ class TierChain(OffloadingManager):
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         hashes = list(block_hashes)
         spec, parts, start = ChainSpec(), [], 0
-        for k, count in enumerate(self._split(hashes)):
-            if count:
-                part = hashes[start : start + count]
-                name, manager = self.tiers[k]
-                spec.parts.append((name, part, manager.prepare_load(part)))
-                parts.append((k, part))
-                self.tallies[name].hit_blocks += count
-                start += count
+        try:
+            for k, count in enumerate(self._split(hashes)):
+                if count:
+                    part = hashes[start : start + count]
+                    name, manager = self.tiers[k]
+                    spec.parts.append((name, part, manager.prepare_load(part)))
+                    parts.append((k, part))
+                    start += count
+        except BaseException:  # a tier refused its part: unpin the parts taken above it
+            for k, part in parts:
+                self.tiers[k][1].complete_load(part)
+            raise
+        for name, part, _ in spec.parts:
+            self.tallies[name].hit_blocks += len(part)
         self._loads[tuple(hashes)].append(parts)
         return spec
 
