@@ -132,7 +132,8 @@ def test_protocol_errors() -> None:
 
 class ConnectorMachine(RuleBasedStateMachine):
     """Random interleavings of the engine's calls, checked against a simple model:
-    which hashes the tier holds readable (stored and completed, not evicted)."""
+    which hashes the tier holds readable (stored and completed, not evicted), and which
+    accelerator blocks have no bytes yet (loading, or failed and not recomputed)."""
 
     STORE_ON = "compute"
 
@@ -144,6 +145,8 @@ class ConnectorMachine(RuleBasedStateMachine):
         self.loads: list[TransferJob] = []
         self.stores: list[TransferJob] = []
         self.readable: set[BlockHash] = set()
+        # request -> (its load job, its accelerator blocks that have no bytes yet)
+        self.no_bytes: dict[str | None, tuple[int, list[int]]] = {}
         self.next_id = 0
 
     @rule(prefix=st.integers(0, 2), length=st.integers(1, 4), tail=st.integers(0, 3))
@@ -162,6 +165,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         if adm.load is not None:
             assert set(adm.load.block_hashes) <= self.readable
             self.loads.append(adm.load)
+            self.no_bytes[rid] = (adm.load.job_id, adm.load.gpu_block_ids)
         self._track_stores(adm.stores)
 
     def _track_stores(self, jobs: list[TransferJob]) -> None:
@@ -172,7 +176,12 @@ class ConnectorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.loads)
     @rule(ok=st.booleans())
     def finish_load(self, ok: bool) -> None:
-        self.c.finish_load(self.loads.pop(0), ok)
+        job = self.loads.pop(0)
+        self.c.finish_load(job, ok)
+        entry = self.no_bytes.get(job.request_id)
+        if ok and entry is not None and entry[0] == job.job_id:  # its request is live
+            del self.no_bytes[job.request_id]
+            assert all(self.c.gpu.is_cached(h) for h in job.block_hashes)
 
     @precondition(lambda self: self.stores)
     @rule(ok=st.booleans())
@@ -182,12 +191,17 @@ class ConnectorMachine(RuleBasedStateMachine):
         if ok:
             self.readable.update(job.block_hashes)
 
-    @precondition(lambda self: set(self.admitted) - self.computed)
+    def _computable(self) -> list[str]:
+        loading = {job.request_id for job in self.loads}
+        return sorted(set(self.admitted) - self.computed - loading)
+
+    @precondition(lambda self: self._computable())
     @rule(data=st.data())
     def compute(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(set(self.admitted) - self.computed)))
+        rid = data.draw(st.sampled_from(self._computable()))
         job = self.c.computed(self.admitted[rid])
         self.computed.add(rid)
+        self.no_bytes.pop(rid, None)  # the prefill (re)computed them
         if job is not None:
             assert job.request_id == rid
             self._track_stores([job])
@@ -198,12 +212,20 @@ class ConnectorMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.admitted)))
         request = self.admitted.pop(rid)
         self.computed.discard(rid)
+        self.no_bytes.pop(rid, None)
         (self.c.preempt if preempt else self.c.finish)(request)
 
     @invariant()
     def tier_serves_exactly_the_readable_blocks(self) -> None:
         for h in {int_block_hash(p * 10 + i) for p in range(3) for i in range(4)}:
             assert (self.c.offload.lookup([h]) == 1) == (h in self.readable)
+
+    @invariant()
+    def blocks_without_bytes_are_never_hits(self) -> None:
+        for rid, (_, ids) in self.no_bytes.items():
+            assert rid is not None
+            blocks = {b.block_id: b for b in self.c.gpu.get_blocks(rid)}
+            assert all(blocks[i].block_hash is None for i in ids)
 
     @invariant()
     def pinned_blocks_are_never_evicted(self) -> None:

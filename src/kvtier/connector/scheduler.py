@@ -15,6 +15,10 @@ life, mirroring vLLM's offloading connector (scheduler half):
    (fewer stores for prefixes that stay hot; the eviction hook queues them).
 3. `finish_load(job, ok)` / `finish_store(job, ok)` as transfers complete: a
    failed load is a miss the engine recomputes; a failed store frees its slots.
+   A request with a load is allocated with `delay_cache_blocks`: its blocks enter the
+   accelerator prefix cache only once their bytes are there (the hit and loaded
+   blocks at a successful `finish_load`, the rest at `computed`), so no other request
+   hits a block still loading or whose load failed.
 4. `finish(request)` or `preempt(request)`: free the accelerator blocks.
 
 No bytes move here: jobs carry hashes, accelerator block ids and the tier's spec,
@@ -67,6 +71,9 @@ class ConnectorCounters:
     failed_loads: int = 0
     failed_stores: int = 0
     gpu_evictions: int = 0
+    # Blocks evicted from the accelerator that the tier refused to take (store_on="evict"):
+    # they are gone from every tier (each refusal also counts in store_rejections).
+    evicted_blocks_dropped: int = 0
 
 
 class OffloadConnector:
@@ -86,6 +93,11 @@ class OffloadConnector:
         self._loads: dict[int, TransferJob] = {}
         self._stores: dict[int, TransferJob] = {}
         self._evicted: list[BlockHash] = []
+        # Requests whose accelerator caching waits on a load:
+        # request id -> (load job id, the request, its accelerator-hit tokens).
+        self._loading: dict[str, tuple[int, Request, int]] = {}
+        # Requests with blocks not yet cached: request -> the tokens they were allocated.
+        self._uncached: dict[str, int] = {}
 
     @classmethod
     def create(
@@ -127,28 +139,51 @@ class OffloadConnector:
         start = len(blocks)
         limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         ext = (self.offload.lookup(hashes[start:limit]) or 0) if start < limit else 0
-        if self.gpu.allocate_slots(request, request.num_tokens - gpu_tokens, blocks) is None:
+        before = request.num_computed_tokens
+        num_new = request.num_tokens - gpu_tokens
+        if self.gpu.allocate_slots(request, num_new, blocks, delay_cache_blocks=ext > 0) is None:
             self.counters.refused += 1
             return None
-        self.counters.admitted += 1
         load = None
         if ext:
-            loaded = list(hashes[start : start + ext])
-            spec = self.offload.prepare_load(loaded)
-            ids = self.gpu.get_block_ids(request.request_id)[start : start + ext]
-            load = TransferJob(next(self._job_ids), "load", request.request_id, loaded, ids, spec)
-            self._loads[load.job_id] = load
+            load = self._plan_load(request, list(hashes[start : start + ext]), start, before)
+        self.counters.admitted += 1
         self.offload.touch(hashes)
         self._first_computed[request.request_id] = start + ext
         return Admission(start, ext, load, self._store_evicted())
+
+    def _plan_load(
+        self, request: Request, loaded: list[BlockHash], start: int, before: int
+    ) -> TransferJob:
+        """Pin the offloaded blocks; if the tier refuses, undo the allocation and raise."""
+        rid = request.request_id
+        try:
+            spec = self.offload.prepare_load(loaded)
+        except BaseException:
+            self.gpu.free(request)
+            request.num_computed_tokens = before
+            raise
+        ids = self.gpu.get_block_ids(rid)[start : start + len(loaded)]
+        load = TransferJob(next(self._job_ids), "load", rid, loaded, ids, spec)
+        self._loads[load.job_id] = load
+        self._loading[rid] = (load.job_id, request, start * self.block_size)
+        self._uncached[rid] = request.num_computed_tokens
+        return load
 
     # --- 2. stores ------------------------------------------------------------------
 
     def computed(self, request: Request) -> TransferJob | None:
         """The store job for blocks this request's prefill computed (store_on='compute')."""
-        first = self._first_computed.pop(request.request_id, None)
-        if first is None:
-            raise KeyError(f"request {request.request_id!r} was not admitted (or already stored)")
+        rid = request.request_id
+        if rid not in self._first_computed:
+            raise KeyError(f"request {rid!r} was not admitted (or already stored)")
+        if rid in self._loading:
+            raise ValueError(f"request {rid!r} still has a load in flight (finish_load first)")
+        first = self._first_computed.pop(rid)
+        tokens = self._uncached.pop(rid, None)
+        if tokens is not None:  # the prefill wrote (or rewrote) them: now they may be hit
+            request.num_computed_tokens = tokens
+            self.gpu.cache_blocks(request, tokens)
         if self.store_on != "compute":
             return None
         hashes = request.get_block_hashes(self.block_size, self.gpu.hash_algorithm)
@@ -172,6 +207,8 @@ class OffloadConnector:
         out = self.offload.prepare_store(hashes)
         if out is None:
             self.counters.store_rejections += 1
+            if request_id is None:
+                self.counters.evicted_blocks_dropped += len(hashes)
             return None
         to_store = out.block_hashes_to_store
         if not to_store and not out.block_hashes_evicted:
@@ -195,12 +232,28 @@ class OffloadConnector:
     # --- 3. completions -------------------------------------------------------------
 
     def finish_load(self, job: TransferJob, ok: bool = True) -> None:
-        """Unpin the loaded blocks; a failed load means the engine recomputes them."""
-        if self._loads.pop(job.job_id, None) is None:
+        """Unpin the loaded blocks and cache them with the accelerator hit before them.
+
+        A failed load is a miss: the request's computed tokens go back to its
+        accelerator hit, and the engine recomputes the rest (cached at `computed`).
+        A load of a request freed meanwhile only unpins.
+        """
+        stored = self._loads.pop(job.job_id, None)
+        if stored is None:
             raise KeyError(f"load job {job.job_id} is unknown or already finished")
-        self.offload.complete_load(job.block_hashes)
+        self.offload.complete_load(stored.block_hashes)
         if not ok:
             self.counters.failed_loads += 1
+        rid = stored.request_id
+        entry = None if rid is None else self._loading.get(rid)
+        if rid is None or entry is None or entry[0] != stored.job_id:
+            return
+        del self._loading[rid]
+        _, request, hit_tokens = entry
+        if ok:
+            self.gpu.cache_blocks(request, hit_tokens + len(stored.block_hashes) * self.block_size)
+        else:
+            request.num_computed_tokens = hit_tokens
 
     def finish_store(self, job: TransferJob, ok: bool = True) -> None:
         if self._stores.pop(job.job_id, None) is None:
@@ -213,13 +266,19 @@ class OffloadConnector:
 
     def finish(self, request: Request) -> None:
         """Free the request's accelerator blocks (tail first: its end is evicted first)."""
-        self._first_computed.pop(request.request_id, None)
+        self._forget(request.request_id)
         self.gpu.free(request)
 
     def preempt(self, request: Request) -> None:
         """Free a running request to make room; it will be admitted again later."""
-        self._first_computed.pop(request.request_id, None)
+        self._forget(request.request_id)
         self.gpu.preempt(request)
+
+    def _forget(self, rid: str) -> None:
+        """Drop the request's pending steps; its load, if any, will only unpin."""
+        self._first_computed.pop(rid, None)
+        self._loading.pop(rid, None)
+        self._uncached.pop(rid, None)
 
     @property
     def jobs_in_flight(self) -> int:

@@ -121,17 +121,27 @@ class KVCacheManager:
         request: Request,
         num_tokens: int,
         computed_blocks: Sequence[KVCacheBlock] | None = None,
+        *,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Give a new request its cached prefix plus new blocks for `num_tokens` tokens.
 
         Returns the NEW blocks (preallocation included), or None when the pool cannot
         hold the request right now (nothing changed). A cached block sitting in the free
         queue counts as free, except the ones this request is about to reuse.
+        `delay_cache_blocks` (vLLM's flag for asynchronous loads): the new full blocks
+        are not registered in the prefix cache until `cache_blocks`, so no other
+        request can hit a block whose bytes have not arrived yet.
         """
         positive_int("num_tokens", num_tokens)
         request_id = request.request_id
         if request_id in self._req_blocks:
             raise ValueError(f"request {request_id!r} already has blocks; use append_slots")
+        if delay_cache_blocks and self.sliding_window is not None:
+            raise ValueError(
+                "delay_cache_blocks is not supported with a sliding window (a block may "
+                "leave the window before it is cached)"
+            )
         blocks = list(computed_blocks) if computed_blocks else []
         num_computed = len(blocks)
         num_computed_tokens = num_computed * self.block_size + num_tokens
@@ -154,8 +164,26 @@ class KVCacheManager:
         self._req_blocks[request_id] = blocks
         request.num_computed_tokens = num_computed_tokens
         self._num_cached_blocks[request_id] = num_computed
-        self._cache_full_blocks(request, blocks)
+        if not delay_cache_blocks:
+            self._cache_full_blocks(request, blocks, num_computed_tokens // self.block_size)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks up to `num_computed_tokens` tokens.
+
+        For blocks allocated with `delay_cache_blocks`: called once their bytes are in
+        place (vLLM's `cache_blocks`). Blocks already registered stay as they are.
+        The count may not pass the tokens the request has slots for.
+        """
+        blocks = self._blocks_of(request.request_id)
+        positive_int("num_computed_tokens", num_computed_tokens, minimum=0)
+        limit = min(len(blocks) * self.block_size, request.num_tokens)
+        if num_computed_tokens > limit:
+            raise ValueError(
+                f"request {request.request_id!r} has slots for {limit} tokens; "
+                f"cache_blocks asked for {num_computed_tokens}"
+            )
+        self._cache_full_blocks(request, blocks, num_computed_tokens // self.block_size)
 
     def append_slots(self, request: Request, num_tokens: int) -> list[KVCacheBlock] | None:
         """Slots for `num_tokens` more tokens of a running request (decode or a chunk).
@@ -189,7 +217,7 @@ class KVCacheManager:
             new_blocks = pool.get_new_blocks(num_new)
             blocks.extend(new_blocks)
         request.num_computed_tokens = num_computed_tokens
-        self._cache_full_blocks(request, blocks)
+        self._cache_full_blocks(request, blocks, num_computed_tokens // self.block_size)
         return new_blocks
 
     def free(self, request: Request) -> None:
@@ -323,13 +351,14 @@ class KVCacheManager:
             blocks, request.num_computed_tokens, self.sliding_window, self.block_size
         )
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock]) -> None:
-        """Register the blocks that became full (and have a hash) in the prefix cache."""
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_full: int
+    ) -> None:
+        """Register the first `num_full` blocks (those with a hash) in the prefix cache."""
         if not self.enable_caching:
             return
         request_id = request.request_id
         num_cached = self._num_cached_blocks[request_id]
-        num_full = request.num_computed_tokens // self.block_size
         if num_full <= num_cached:
             return
         hashes = request.get_block_hashes(self.block_size, self.hash_algorithm)
