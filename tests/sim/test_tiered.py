@@ -55,6 +55,26 @@ def test_concurrent_requests_wait_for_room() -> None:
     assert r.tiers[0].hit_blocks == 2  # it then hits the first one's blocks on the GPU
 
 
+def test_concurrent_request_does_not_hit_blocks_still_loading() -> None:
+    # r1 evicts r0 from the 8-block GPU pool; r2 loads r0's blocks from the CPU tier
+    # and r3 (same prefix) arrives while that load is in flight: the GPU copies have
+    # no bytes yet, so r3 must load from the CPU tier too, not hit them on the GPU.
+    rows = tuple(
+        TraceRequest(ts, len(ids) * 4 + 1, 100, ids)
+        for ts, ids in (
+            (0.0, (1, 2, 3)),
+            (10_000.0, (7, 8, 9, 10, 11, 12, 13)),
+            (20_000.0, (1, 2, 3)),
+            (20_000.1, (1, 2, 3)),
+        )
+    )
+    w = Workload("t", rows, 4, chained=True)
+    r = replay(w, ReplayConfig(gpu_blocks=8, cpu_blocks=16, time_model=TimeModel()))
+    gpu, cpu = r.tiers
+    assert (gpu.hit_blocks, cpu.hit_blocks) == (0, 6)
+    assert r.extra == {"unschedulable_requests": 0, "waited": 0}
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     requests=st.lists(
