@@ -6,8 +6,20 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from kvtier.sim.traces import TraceRequest, read_mooncake
+
+# Property tests are part of CI: the same examples every run (derandomized, no example
+# database carried between runs) and no per-example deadline on a loaded 2-core box.
+settings.register_profile(
+    "kvtier",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvtier"))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONVERSATION_TRACE = REPO_ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
