@@ -308,3 +308,11 @@ def test_generic_manager_takes_a_policy_instance() -> None:
     store(m, 1, 2)
     store(m, 3)
     assert m.lookup(h(2, 3)) == 2
+
+
+@pytest.mark.parametrize("block_size", [0, -1, True, 1.5])
+def test_backend_refuses_a_block_size_that_is_not_a_positive_int(block_size: object) -> None:
+    from kvtier.offload import CPUBackend
+
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        CPUBackend(block_size, 4)  # type: ignore[arg-type]

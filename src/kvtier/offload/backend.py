@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
+from kvtier.hashing import positive_int
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.types import BlockHash
 
@@ -47,10 +48,9 @@ class Backend(ABC):
     """
 
     def __init__(self, block_size: int, medium: str, num_blocks: int | None = None) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_blocks is not None and num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        positive_int("block_size", block_size)
+        if num_blocks is not None:
+            positive_int("num_blocks", num_blocks, minimum=0)
         self.block_size = block_size
         self.medium = medium
         self.num_blocks = num_blocks

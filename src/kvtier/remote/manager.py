@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
+from kvtier.hashing import positive_int
 from kvtier.offload.abstract import (
     LoadStoreSpec,
     OffloadingEvent,
@@ -66,10 +67,9 @@ class RemoteOffloadingManager(OffloadingManager):
         synthetic_payload_bytes: int | None = None,
         async_lookup: bool = False,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if synthetic_payload_bytes is not None and synthetic_payload_bytes < 1:
-            raise ValueError(f"synthetic_payload_bytes must be >= 1, got {synthetic_payload_bytes}")
+        positive_int("block_size", block_size)
+        if synthetic_payload_bytes is not None:
+            positive_int("synthetic_payload_bytes", synthetic_payload_bytes)
         self.store = store
         self.block_size = block_size
         self.salt = salt

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from kvtier.hashing import positive_int
 from kvtier.remote.config import RemoteConfig
 from kvtier.remote.kv_store import RedisKVStore
 from kvtier.remote.manager import RemoteOffloadingManager
@@ -39,8 +40,7 @@ def fingerprint_of(layout: str | bytes | HasFingerprint) -> str | bytes:
 
 class RemoteTier:
     def __init__(self, store: RedisBlockStore, block_size: int) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        positive_int("block_size", block_size)
         self.store = store
         self.block_size = block_size
         self._managers: list[RemoteOffloadingManager] = []
