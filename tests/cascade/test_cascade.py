@@ -142,3 +142,35 @@ def test_restart_recovers_the_disk_tier(tmp_path: Path) -> None:
             assert block_bytes(restarted.kv, target) == engine.expected[int_block_hash(block)]
     finally:
         restarted.close()
+
+
+def test_failed_demotions_are_remembered_per_slot_so_the_record_stays_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(PER_LAYER, tmp_path, cpu_blocks=2, promote=False)
+
+    def broken(*args: object) -> None:
+        raise OSError("injected disk write failure")
+
+    try:
+        engine.store(hs(0, 1), [0, 1])
+        engine.finish()
+        monkeypatch.setattr(engine.disk_store, "write_parts", broken)
+        for job in range(1, 12):  # every store demotes two blocks, and every demotion fails
+            out = engine.cascade.prepare_store(hs(2 * job, 2 * job + 1))
+            assert out is not None and isinstance(out.store_spec, CascadeStoreSpec)
+            assert out.store_spec.demotion is not None
+            # Prepared while the demotion is pending, run after the store reusing its slot.
+            load = engine.cascade.prepare_load(hs(2 * job - 1))
+            engine._submit(
+                "store", hs(2 * job, 2 * job + 1), [2 * job, 2 * job + 1], out.store_spec
+            )
+            engine._submit("load", hs(2 * job - 1), [40], load)
+            assert engine.finish() == {"ok": 1, "failed": 1}  # never the slot's new bytes
+            assert len(engine.handler._failed_demotions) <= 2  # one per CPU slot, not per block
+        monkeypatch.undo()
+        engine.store(hs(30, 31), [30, 31])  # demotions that succeed clear their slots
+        engine.finish()
+        assert engine.handler._failed_demotions == {}
+    finally:
+        engine.close()

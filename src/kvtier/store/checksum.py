@@ -11,8 +11,6 @@ from collections.abc import Iterable
 
 import xxhash
 
-from kvtier.types import BlockHash
-
 Buffer = bytes | bytearray | memoryview
 
 
@@ -33,13 +31,3 @@ def segments_checksum(segments: Iterable[Buffer]) -> int:
     for segment in segments:
         state.update(segment)
     return int(state.intdigest())
-
-
-def verify_checksum(data: Buffer, expected: int, block_hash: BlockHash | None = None) -> None:
-    """Raise `ChecksumError` (naming the block) when `data` does not hash to `expected`."""
-    actual = block_checksum(data)
-    if actual != expected:
-        name = block_hash.hex() if block_hash is not None else "<unnamed>"
-        raise ChecksumError(
-            f"checksum mismatch for block {name}: stored {expected:#018x}, read {actual:#018x}"
-        )

@@ -92,22 +92,16 @@ def payload_checksum(
     data: bytes | bytearray, block_hash: BlockHash, fingerprint: bytes, payload_len: int
 ) -> int:
     """The payload xxh3 a header records, once the header is checked to be intact and to
-    describe exactly this block (hash, layout, length); `FormatError` otherwise.
-
-    The load path's version of `BlockHeader.unpack`: same checks, no object built."""
-    end = _FIXED.size + len(block_hash)
-    if len(data) != end + _CHECK.size:
-        raise FormatError(f"header of {len(data)} bytes, expected {end + _CHECK.size}")
-    magic, version, hash_len, found, length, checksum = _FIXED.unpack_from(data)
-    if magic != MAGIC or version != VERSION:
-        raise FormatError(f"not a kvtier block file (magic {magic!r}, version {version})")
-    if xxhash.xxh3_64_intdigest(memoryview(data)[:end]) != _CHECK.unpack_from(data, end)[0]:
-        raise FormatError("header checksum mismatch")
-    if hash_len != len(block_hash) or data[_FIXED.size : end] != block_hash:
+    describe exactly this block (hash, layout, length); `FormatError` otherwise."""
+    expected = BlockHeader.size_for(len(block_hash))
+    if len(data) != expected:
+        raise FormatError(f"header of {len(data)} bytes, expected {expected}")
+    header = BlockHeader.unpack(data)
+    if header.block_hash != block_hash:
         raise FormatError(f"header names another block than {block_hash.hex()}")
-    if found != fingerprint or length != payload_len:
-        raise FormatError(f"header of another layout or size ({length} payload bytes)")
-    return int(checksum)
+    if header.fingerprint != fingerprint or header.payload_len != payload_len:
+        raise FormatError(f"header of another layout or size ({header.payload_len} payload bytes)")
+    return header.checksum
 
 
 class HeaderCheck:

@@ -47,7 +47,10 @@ class CascadeHandler:
         self._host = HostSlotHandler(kv, memory)
         self._staged = StagedHandler(kv, disk)
         self._lost: list[BlockHash] = []
-        self._failed_demotions: set[BlockHash] = set()  # their old slots are overwritten
+        # CPU slot -> the block whose demotion from it failed (the slot is reused since).
+        # Keyed by slot, so it holds at most one entry per slot: a load naming (slot,
+        # block) runs before any later demotion from that slot (see `_load_disk`).
+        self._failed_demotions: dict[int, BlockHash] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -107,7 +110,11 @@ class CascadeHandler:
         ]
         if not from_slot:
             return self._staged.load(spec.disk, device_ids[positions])
-        failed = [hashes[i].hex() for i in from_slot if hashes[i] in self._failed_demotions]
+        failed = [
+            hashes[i].hex()
+            for i in from_slot
+            if self._failed_demotions.get(spec.demoting[positions[i]]) == hashes[i]
+        ]
         if failed:
             raise BlockLoadError(f"demotion of {failed} failed; their CPU slots were reused")
         slot_set = set(from_slot)
@@ -132,11 +139,12 @@ class CascadeHandler:
             log.warning("demotion of %d blocks failed: %r", len(demotion.block_hashes), exc)
             with self._lock:
                 self._lost.extend(demotion.block_hashes)
-                self._failed_demotions.update(demotion.block_hashes)
+            self._failed_demotions.update(
+                zip(demotion.src.block_ids.tolist(), demotion.block_hashes, strict=True)
+            )
             return
-        if self._failed_demotions:
-            with self._lock:
-                self._failed_demotions.difference_update(demotion.block_hashes)
+        for slot in slots.tolist():
+            self._failed_demotions.pop(slot, None)
 
     def _rows(self, slots: npt.NDArray[np.int64]) -> list[memoryview]:
         return [memoryview(self.memory.array[slot]) for slot in slots.tolist()]
