@@ -62,4 +62,4 @@ class CPUBackend(Backend):
         self, block_hashes: Sequence[BlockHash], blocks: Sequence[BlockStatus]
     ) -> CPULoadStoreSpec:
         # straight into an int64 array: no list of ints for numpy to convert
-        return CPULoadStoreSpec(np.fromiter(map(block_id, blocks), np.int64, len(blocks)))
+        return CPULoadStoreSpec.of_array(np.fromiter(map(block_id, blocks), np.int64, len(blocks)))
