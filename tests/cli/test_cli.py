@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,27 @@ def test_bailian_and_token_traces(tmp_path: Path, capsys: pytest.CaptureFixture[
     doc = _json(capsys, *argv, "--format", "tokens")
     assert doc["block_refs"] == 6 and doc["unique_blocks"] == 2  # two full 16-token blocks
     assert doc["results"][0]["prefix_hit_blocks"] == 4  # type: ignore[index]
+
+
+def test_replay_table_counts_calls_to_an_unreachable_redis(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["replay", "--limit", "60", "--cpu-blocks", "200", "--policy", "lru"]
+    assert main([*argv, "--redis", f"redis://127.0.0.1:{port}/0"]) == 0  # degraded, not fatal
+    out = capsys.readouterr().out
+    remote_row = next(line for line in out.splitlines() if " remote " in line)
+    assert "errors" in out and "server" in remote_row and not remote_row.rstrip().endswith(" 0")
+
+
+def test_replay_table_says_when_evicted_blocks_were_lost(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["replay", "--limit", "100", "--gpu-blocks", "300", "--cpu-blocks", "10"]
+    assert main([*argv, "--policy", "lru", "--store-on", "evict"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the caption wraps
+    assert "evicted blocks the tier refused (lost)" in out
+    assert main([*argv, "--policy", "lru"]) == 0  # stores at compute time lose nothing
+    assert "refused (lost)" not in " ".join(capsys.readouterr().out.split())

@@ -107,3 +107,4 @@ def test_an_unreachable_redis_stores_nothing() -> None:
     config = ReplayConfig("lru", cpu_blocks=400, redis_url=f"redis://127.0.0.1:{port}/0")
     cpu, remote = replay(workload, config).tiers
     assert cpu.stores > 0 and remote.stores == remote.hit_blocks == 0  # planned, never written
+    assert remote.errors > 0 and cpu.errors == 0  # and the failed calls are counted

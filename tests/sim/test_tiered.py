@@ -51,7 +51,7 @@ def test_concurrent_requests_wait_for_room() -> None:
     # Pool of 4: the second needs 2 new blocks while the first holds 3: it waits.
     w = _workload((1, 2), (1, 2, 3), gap=0.0)
     r = replay(w, ReplayConfig(gpu_blocks=4, cpu_blocks=8, time_model=TimeModel()))
-    assert r.extra == {"unschedulable_requests": 0, "waited": 1}
+    assert r.extra == {"unschedulable_requests": 0, "waited": 1, "evicted_blocks_dropped": 0}
     assert r.tiers[0].hit_blocks == 2  # it then hits the first one's blocks on the GPU
 
 
@@ -72,7 +72,7 @@ def test_concurrent_request_does_not_hit_blocks_still_loading() -> None:
     r = replay(w, ReplayConfig(gpu_blocks=8, cpu_blocks=16, time_model=TimeModel()))
     gpu, cpu = r.tiers
     assert (gpu.hit_blocks, cpu.hit_blocks) == (0, 6)
-    assert r.extra == {"unschedulable_requests": 0, "waited": 0}
+    assert r.extra == {"unschedulable_requests": 0, "waited": 0, "evicted_blocks_dropped": 0}
 
 
 @settings(max_examples=40, deadline=None)
@@ -123,3 +123,12 @@ def test_refused_stores_are_not_counted_as_filtered() -> None:
     assert (cpu.stores, cpu.filtered_stores, cpu.store_rejections) == (0, 0, 2)
     filtered = replay(w, ReplayConfig(gpu_blocks=8, cpu_blocks=8, store_threshold=2)).tiers[1]
     assert (filtered.stores, filtered.filtered_stores, filtered.store_rejections) == (0, 4, 0)
+
+
+def test_evicted_blocks_the_tier_refuses_are_reported_as_dropped() -> None:
+    w = _workload((1, 2, 3, 4), (5, 6, 7, 8))
+    # r1 evicts r0's four blocks from the 5-block pool at once; a 2-block tier can't take them
+    r = replay(w, ReplayConfig(gpu_blocks=5, cpu_blocks=2, store_on="evict"))
+    assert r.extra["evicted_blocks_dropped"] == 4 and r.tiers[1].store_rejections == 1
+    roomy = replay(w, ReplayConfig(gpu_blocks=5, cpu_blocks=8, store_on="evict"))
+    assert roomy.extra["evicted_blocks_dropped"] == 0 and roomy.tiers[1].stores == 4

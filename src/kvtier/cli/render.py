@@ -56,7 +56,8 @@ def replay_table(report: ReplayReport) -> Table:
         caption="hit rates: block (any position), prefix (usable), token (weighted); "
         "saved: prefill tokens; stores/evicted/filtered: offload tiers; "
         "bounds at the same total capacity; replay speed: "
-        + ", ".join(f"{r.policy} {_count(r.refs_per_s)} refs/s" for r in report.results),
+        + ", ".join(f"{r.policy} {_count(r.refs_per_s)} refs/s" for r in report.results)
+        + _losses(report),
     )
     table.add_column("policy", min_width=8)
     for name in ("block", "prefix", "token", "saved", "stores", "evicted", "filtered"):
@@ -78,6 +79,19 @@ def replay_table(report: ReplayReport) -> Table:
     return table
 
 
+def _losses(report: ReplayReport) -> str:
+    """Blocks or requests the stack could not serve at all, where there were any."""
+    notes = []
+    for r in report.results:
+        dropped = r.extra.get("evicted_blocks_dropped", 0)
+        unschedulable = r.extra.get("unschedulable_requests", 0)
+        if dropped:
+            notes.append(f"{r.policy}: {_count(dropped)} evicted blocks the tier refused (lost)")
+        if unschedulable:
+            notes.append(f"{r.policy}: {_count(unschedulable)} requests too large for the pool")
+    return "; " + "; ".join(notes) if notes else ""
+
+
 def tier_table(report: ReplayReport) -> Table | None:
     """Per-tier breakdown, shown only when more than one tier served."""
     if all(len(r.tiers) <= 1 for r in report.results):
@@ -85,21 +99,25 @@ def tier_table(report: ReplayReport) -> Table | None:
     rows = [(r.policy, t) for r in report.results for t in r.tiers]
     moved = any(t.bytes_loaded or t.bytes_stored for _, t in rows)
     filtered = any(t.filtered_stores for _, t in rows)
+    errors = any(t.errors for _, t in rows)
     table = Table(box=box.SIMPLE_HEAD, title="per tier (served: share of all block refs)")
     names = ["policy", "tier", "size", "served", "stores", "evicted"]
-    names += ["filtered"] * filtered + ["bytes in/out", "bad sums"] * moved
+    names += ["filtered"] * filtered + ["bytes in/out", "bad sums"] * moved + ["errors"] * errors
     for name in names:
         left = name in ("policy", "tier")
         width = 6 if name == "tier" else len(name)
         table.add_column(name, justify="left" if left else "right", min_width=width)
     for policy, t in rows:
-        cells = [policy, t.name, _count(t.capacity), _pct(t.hit_rate)]
+        size = "server" if t.policy == "server" else _count(t.capacity)
+        cells = [policy, t.name, size, _pct(t.hit_rate)]
         cells += [_count(t.stores), _count(t.evictions)]
         if filtered:
             cells.append(_count(t.filtered_stores))
         if moved:
             io = f"{_count(t.bytes_stored)}/{_count(t.bytes_loaded)}"
             cells += [io, str(t.checksum_failures)]
+        if errors:
+            cells.append(_count(t.errors))
         table.add_row(*cells)
     return table
 

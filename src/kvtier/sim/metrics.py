@@ -33,6 +33,8 @@ class TierCounters:
     bytes_loaded: int = 0
     bytes_stored: int = 0
     checksum_failures: int = 0
+    # calls to the tier that failed or were skipped (a shared tier that is down)
+    errors: int = 0
 
     def freeze(self, block_refs: int) -> TierStats:
         return TierStats(
@@ -55,6 +57,7 @@ class TierStats:
     bytes_loaded: int
     bytes_stored: int
     checksum_failures: int
+    errors: int
     # Blocks this tier served, over all block references of the trace.
     hit_rate: float
 

@@ -39,6 +39,8 @@ class _Tally:
     any_hits: int = 0
     unschedulable: int = 0
     waited: int = 0
+    # accelerator-evicted blocks the offload tier refused (store_on="evict"): lost
+    evicted_blocks_dropped: int = 0
     dp: DataPlane | None = None
 
     def admitted(self, adm: Admission, request: Request, bs: int) -> None:
@@ -98,6 +100,7 @@ def _run(
     seconds = time.perf_counter() - started
     tally.gpu.evictions = connector.counters.gpu_evictions
     tally.cpu.store_rejections = connector.counters.store_rejections
+    tally.evicted_blocks_dropped = connector.counters.evicted_blocks_dropped
     return _result(workload, config, tally, tiers, seconds)
 
 
@@ -119,7 +122,11 @@ def _result(
             *tiers.stats(tally.cpu, workload.block_refs, bs),
         ),
         seconds=seconds,
-        extra={"unschedulable_requests": tally.unschedulable, "waited": tally.waited},
+        extra={
+            "unschedulable_requests": tally.unschedulable,
+            "waited": tally.waited,
+            "evicted_blocks_dropped": tally.evicted_blocks_dropped,
+        },
     )
 
 

@@ -113,6 +113,7 @@ class OffloadTiers:
                 c.stores = s.stored_blocks  # written, not just planned: Redis may be down
                 c.bytes_stored, c.bytes_loaded = s.stored_bytes, s.loaded_bytes
                 c.checksum_failures = s.corrupt_blocks
+                c.errors = s.errors + s.skipped_calls
             result.append(c.freeze(block_refs))
         return result
 
