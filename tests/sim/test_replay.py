@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvtier.sim.bounds import belady_hits, flatten, infinite_hits
 from kvtier.sim.concurrency import TimeModel
+from kvtier.sim.metrics import served_tokens
 from kvtier.sim.replay import ReplayConfig, replay
 from kvtier.sim.traces import TraceRequest
 from kvtier.sim.workload import Workload, load_workload
@@ -208,3 +209,19 @@ def test_fast_path_counts_like_the_mirror(
     ]
     fast, mirrored = ((r.any_hit_blocks, r.prefix_hit_blocks, r.tiers) for r in results)
     assert fast == mirrored
+
+
+@pytest.mark.parametrize(
+    ("hit", "length", "expected"),
+    [
+        (0, 40, (0, 0)),
+        (2, 40, (32, 32)),  # two full blocks of a longer prompt
+        (3, 40, (40, 32)),  # the partial last block: 8 real tokens, and its last is recomputed
+        (2, 32, (32, 16)),  # a prompt of exactly two blocks: the second holds the last token
+        (1, 0, (0, 0)),
+    ],
+)
+def test_served_tokens_counts_real_tokens_and_keeps_the_last_one(
+    hit: int, length: int, expected: tuple[int, int]
+) -> None:
+    assert served_tokens(hit, 16, length) == expected

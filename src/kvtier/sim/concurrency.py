@@ -17,7 +17,7 @@ import heapq
 from dataclasses import dataclass
 
 from kvtier.offload.abstract import OffloadingManager
-from kvtier.sim.metrics import TierCounters
+from kvtier.sim.metrics import TierCounters, served_tokens
 from kvtier.sim.workload import Workload
 from kvtier.types import BlockHash
 
@@ -83,8 +83,9 @@ def concurrent_offload_loop(
         if hit:
             manager.prepare_load(loaded)
             prefix_hits += hit
-            hit_tokens += min(hit * bs, request.input_length)
-            saved += min(hit, (request.input_length - 1) // bs) * bs if request.input_length else 0
+            tokens, saved_tokens = served_tokens(hit, bs, request.input_length)
+            hit_tokens += tokens
+            saved += saved_tokens
         manager.touch(hs)
         stored: list[BlockHash] = []
         evicted: list[BlockHash]

@@ -17,6 +17,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+def served_tokens(hit_blocks: int, block_size: int, input_length: int) -> tuple[int, int]:
+    """(hit tokens, prefill tokens saved) of a request whose first `hit_blocks` were served.
+
+    A request's last block is usually partial, so hits count real tokens; and an
+    engine always computes the last prompt token again (it needs its logits), so a
+    fully served prompt saves the blocks before the one holding that token.
+    """
+    hit_tokens = min(hit_blocks * block_size, input_length)
+    saved = min(hit_blocks, max(0, input_length - 1) // block_size) * block_size
+    return hit_tokens, saved
+
+
 @dataclass
 class TierCounters:
     """Mutable tallies the replay loop bumps; frozen into `TierStats` at the end."""

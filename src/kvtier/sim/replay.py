@@ -20,7 +20,7 @@ from typing import Literal
 
 from kvtier.offload.abstract import OffloadingManager
 from kvtier.sim.concurrency import TimeModel, concurrent_offload_loop
-from kvtier.sim.metrics import ReplayResult, TierCounters
+from kvtier.sim.metrics import ReplayResult, TierCounters, served_tokens
 from kvtier.sim.workload import Workload
 from kvtier.types import BlockHash
 
@@ -244,8 +244,9 @@ def _offload_loop(
             prepare_load(loaded)
             complete_load(loaded)
             prefix_hits += hit
-            hit_tokens += min(hit * bs, request.input_length)
-            saved += min(hit, (request.input_length - 1) // bs) * bs if request.input_length else 0
+            tokens, saved_tokens = served_tokens(hit, bs, request.input_length)
+            hit_tokens += tokens
+            saved += saved_tokens
         touch(hs)
         if hit < n:
             rest = hs[hit:]
