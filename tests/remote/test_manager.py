@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Sequence
 from typing import Any, cast
@@ -261,3 +262,18 @@ def test_forgotten_questions_are_not_sent() -> None:
     finally:
         store.release.set()
         lookups.close()
+
+
+def test_the_tier_holds_dropped_managers_weakly_and_closes_the_live_ones(
+    redis_server: RedisServer,
+) -> None:
+    tier = tier_for(redis_server)
+    for tenant in range(50):  # a service that makes a manager per tenant, then drops it
+        tier.manager(salt=f"tenant-{tenant}")
+    live = tier.manager(async_lookup=True)
+    assert live.lookup(H) is None and live.wait_lookups(timeout=30)
+    gc.collect()
+    assert list(tier._managers) == [live]  # the dropped ones are not kept alive
+    tier.close()
+    threads = live._async._executor._threads  # type: ignore[union-attr]
+    assert threads and not any(t.is_alive() for t in threads)  # its lookup thread stopped

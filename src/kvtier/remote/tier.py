@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -43,7 +44,9 @@ class RemoteTier:
         positive_int("block_size", block_size)
         self.store = store
         self.block_size = block_size
-        self._managers: list[RemoteOffloadingManager] = []
+        # weakly held: a service that makes a manager per tenant and drops it must not
+        # keep them all alive; the ones still alive are closed with the tier
+        self._managers: weakref.WeakSet[RemoteOffloadingManager] = weakref.WeakSet()
 
     @classmethod
     def from_url(
@@ -85,7 +88,7 @@ class RemoteTier:
             synthetic_payload_bytes=synthetic_payload_bytes,
             async_lookup=async_lookup,
         )
-        self._managers.append(manager)
+        self._managers.add(manager)
         return manager
 
     def kv_store(self, layout: KVLayout) -> RedisKVStore:
@@ -97,7 +100,7 @@ class RemoteTier:
         return self.store.stats
 
     def close(self) -> None:
-        for manager in self._managers:
+        for manager in list(self._managers):
             manager.close()
         self.store.close()
 
