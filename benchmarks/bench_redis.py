@@ -20,7 +20,9 @@ import argparse
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -65,6 +67,9 @@ def redis_server() -> Iterator[int]:
                     break
             else:
                 raise SystemExit(f"redis-server failed to start on port {port}")
+            # keep reading its log, or a chatty server blocks on a full pipe mid-benchmark
+            drain = threading.Thread(target=deque, args=(proc.stdout, 0), daemon=True)
+            drain.start()
             yield port
         finally:
             proc.kill()
