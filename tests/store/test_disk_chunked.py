@@ -1,8 +1,8 @@
-"""Disk loads of blocks larger than one read chunk: every chunk lands and is verified.
+"""Disk loads of big blocks into many segments: every part lands and is verified.
 
-Loads read and hash `READ_CHUNK` bytes at a time (segments grouped, a single big row
-sliced); these tests put corruption and truncation in the last chunk, the one a
-wrong grouping would skip, and use segment lists of both engine layouts.
+Loads read a block with one `readv` into its segments and hash them on a helper thread;
+these tests put corruption and truncation in the last part, the one a wrong split
+would skip, and use segment lists of both engine layouts.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import pytest
 
 from kvtier.store.disk import DiskStore
 from kvtier.store.diskformat import (
-    READ_CHUNK,
     BlockHeader,
     FormatError,
     HeaderCheck,
@@ -25,7 +24,7 @@ from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError
 from kvtier.types import int_block_hash
 
-# 4 layers x K/V x 64 KiB planes: 512 KiB blocks, two chunks; cross-layer: one 512 KiB row.
+# 4 layers x K/V x 64 KiB planes: 512 KiB blocks; cross-layer: one 512 KiB row.
 PER_LAYER = KVLayout(num_layers=4, num_kv_heads=8, head_size=128, block_size=32)
 CROSS = KVLayout(num_layers=4, num_kv_heads=8, head_size=128, block_size=32, per_layer=False)
 
@@ -37,8 +36,7 @@ def blocks_of(layout: KVLayout, data: bytearray) -> list[memoryview]:
 
 
 @pytest.mark.parametrize("layout", [PER_LAYER, CROSS], ids=["per_layer", "cross_layer"])
-def test_big_blocks_round_trip_through_several_chunks(tmp_path: Path, layout: KVLayout) -> None:
-    assert layout.bytes_per_block > READ_CHUNK
+def test_big_blocks_round_trip_through_their_segments(tmp_path: Path, layout: KVLayout) -> None:
     store = DiskStore(tmp_path, layout, DiskStore.capacity_for(layout, 3), fsync=False)
     payloads = [random.Random(i).randbytes(layout.bytes_per_block) for i in range(3)]
     hashes = [int_block_hash(i) for i in range(3)]

@@ -51,7 +51,7 @@ from kvtier.store.diskformat import (
     durable_write,
     file_name,
     hash_of,
-    read_hashed,
+    read_into,
     sync_directory,
 )
 from kvtier.store.layout import KVLayout, LayoutMismatchError
@@ -108,10 +108,9 @@ class DiskStore:
         self._prefix = f"{self.directory}{os.sep}"
         self._size = layout.bytes_per_block
         self._header_check = HeaderCheck(layout.fingerprint_bytes, self._size)
-        # segments per read (at most 1023: the first read also takes the header, IOV_MAX 1024)
-        self._group = min(1023, max(1, READ_CHUNK // layout.segment_bytes))
+        self._group = max(1, READ_CHUNK // layout.segment_bytes)  # segments per read
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._local = threading.local()  # each reading thread's reusable xxh3 state
         self._sizes: dict[BlockHash, int] = {}
         self._used = 0
         self._tmp_ids = itertools.count()
@@ -288,39 +287,54 @@ class DiskStore:
         if len(block_hashes) != len(blocks):
             raise ValueError(f"{len(blocks)} buffers for {len(block_hashes)} hashes")
         size = self._size
-        state: xxhash.xxh3_64 | None = getattr(self._local, "hasher", None)
-        if state is None:
-            state = self._local.hasher = xxhash.xxh3_64()
-        for block_hash, parts in zip(block_hashes, blocks, strict=True):
+        for parts in blocks:
             if sum(map(_NBYTES, parts)) != size:
                 raise ValueError(
                     f"buffers of {[p.nbytes for p in parts]} bytes, layout needs {size}"
                 )
+        with self._lock:  # one look for the whole job (a block dropped since fails to open)
+            stored = [self._sizes.get(block_hash, 0) > 0 for block_hash in block_hashes]
+        state: xxhash.xxh3_64 | None = getattr(self._local, "hasher", None)
+        if state is None:
+            state = self._local.hasher = xxhash.xxh3_64()
+        for block_hash, parts, present in zip(block_hashes, blocks, stored, strict=True):
+            if not present:
+                raise self._missing_error(block_hash)
             self._read_one(block_hash, parts, state)
 
     def _read_one(
         self, block_hash: BlockHash, parts: Sequence[memoryview], state: xxhash.xxh3_64
     ) -> None:
-        with self._lock:
-            readable = self._sizes.get(block_hash, 0) > 0
+        """Read one block straight into `parts` and verify it there, while it is still in
+        this core's cache (a hashing thread was tried: on two busy cores the hand-off and
+        the cross-core reads cost more than the hash); a missing, torn or corrupt block
+        raises `BlockLoadError` (and a damaged file is dropped)."""
         try:
-            if not readable:
-                raise FileNotFoundError(block_hash.hex())
             fd = os.open(self._prefix + block_hash.hex() + SUFFIX, os.O_RDONLY)
         except FileNotFoundError:
             raise self._missing_error(block_hash) from None
+        raw_header = bytearray(_FIXED_HEADER + len(block_hash))
+        chunks = self._chunks(parts)
+        state.reset()
         try:
-            raw_header = bytearray(_FIXED_HEADER + len(block_hash))
-            got, checksum = read_hashed(fd, raw_header, self._chunks(parts), state)
+            first: list[bytearray | memoryview] = [raw_header, *chunks[0]]
+            got = read_into(fd, first, len(raw_header) + sum(map(_NBYTES, chunks[0])))
+            got -= len(raw_header)
+            any(map(state.update, chunks[0]))  # update returns None: a C-level loop
+            for chunk in chunks[1:]:
+                got += read_into(fd, chunk, sum(map(_NBYTES, chunk)))
+                any(map(state.update, chunk))
+        finally:
+            os.close(fd)
+        try:
             if got != self._size:
                 raise FormatError(f"torn block file ({got} of {self._size} payload bytes)")
             expected = self._header_check.payload_checksum(raw_header, block_hash)
+            checksum = state.intdigest()
             if checksum != expected:
                 raise ChecksumError(f"checksum mismatch for block {block_hash.hex()}")
         except ValueError as exc:  # FormatError, ChecksumError
             raise self._drop_corrupt(block_hash, str(exc)) from exc
-        finally:
-            os.close(fd)
 
     def _chunks(self, parts: Sequence[memoryview]) -> list[Sequence[memoryview]]:
         """`parts` as reads of about `READ_CHUNK` bytes: runs of `self._group` parts, or
