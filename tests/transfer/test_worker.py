@@ -8,11 +8,13 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+import torch
 
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.mediums import CPULoadStoreSpec
 from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.store.memory import MemoryStore
+from kvtier.transfer import device
 from kvtier.transfer.device import coalesce_runs
 from kvtier.transfer.worker import TransferWorker
 from tests.transfer.helpers import (
@@ -53,7 +55,13 @@ def test_coalesce_runs_pairs_consecutive_ids_only() -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["per_layer", "cross_layer"])
 @pytest.mark.parametrize("medium", ["memory", "staged"])
-def test_round_trip_is_byte_identical_under_concurrent_jobs(layout: KVLayout, medium: str) -> None:
+@pytest.mark.parametrize("copies", ["numpy", "torch"])
+def test_round_trip_is_byte_identical_under_concurrent_jobs(
+    layout: KVLayout, medium: str, copies: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if copies == "torch":  # big pieces and rows go through torch copies: make every one big
+        monkeypatch.setattr(device, "TORCH_COPY_BYTES", 1)
+        monkeypatch.setattr(device, "TORCH_ROW_BYTES", 1)
     kv = random_kv(layout, num_blocks=32, seed=1)
     expected = {
         slot: block_bytes(kv, dev)
@@ -180,3 +188,15 @@ def test_a_store_with_another_layout_is_refused() -> None:
         TransferWorker.for_store(kv, MemoryStore(other, 4))
     with pytest.raises(LayoutMismatchError):
         TransferWorker.for_store(kv, DictStore(other))
+
+
+def test_a_gather_refuses_source_ids_out_of_range() -> None:
+    src, dst = (
+        [torch.arange(32, dtype=torch.uint8).view(4, 8)],
+        [torch.zeros((4, 8), dtype=torch.uint8)],
+    )
+    with pytest.raises(IndexError, match="outside"):
+        device.copy_blocks(src, np.array([3, 1, 7]), dst, np.array([0, 1, 2]))
+    assert not dst[0].any()
+    device.copy_blocks(src, np.array([3, 1, 2]), dst, np.array([0, 1, 2]))
+    assert dst[0][:3].tolist() == src[0][[3, 1, 2]].tolist()

@@ -1,9 +1,17 @@
 """The memory tier: one host buffer of fixed-size slots, addressed by slot id.
 
-The CPU offloading manager hands out slot ids (`CPULoadStoreSpec.block_ids`); slot
-`i` is row `i` of one `[num_slots, bytes_per_block]` uint8 tensor. One allocation up
-front means no per-block allocation on the hot path, and with CUDA the buffer is
-pinned so device copies run asynchronously on a copy stream.
+The CPU offloading manager hands out slot ids (`CPULoadStoreSpec.block_ids`). The
+buffer is one `[num_segments, num_slots, segment_bytes]` uint8 tensor, segment-major:
+segment `k` of every slot lies in one contiguous `[num_slots, segment_bytes]` plane,
+shaped like the engine's own per-layer planes. So a job of consecutive slots is one
+contiguous copy per segment (1 MiB for 64 blocks of 256 KiB), where slot-major rows
+would cut it into one 16-32 KiB piece per block and segment; and a gather of shuffled
+device blocks lands in one contiguous run. A block's bytes as a whole (what the disk
+format and checksums see) are its segments concatenated in layout order: `slot_parts`.
+For the cross-layer layout there is one segment, so the buffer is plain slot rows.
+
+One allocation up front means no per-block allocation on the hot path, and with CUDA
+the buffer is pinned so device copies run asynchronously on a copy stream.
 
 Checksums are optional here (`checksums=True`): host RAM does not tear or rot like a
 disk, and hashing every block costs about as much as copying it, which would halve
@@ -15,14 +23,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.mediums import BlockIDsLoadStoreSpec
-from kvtier.store.checksum import block_checksum
+from kvtier.store.checksum import segments_checksum
 from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError
 
@@ -50,10 +58,13 @@ class MemoryStore:
         self._layout = layout
         self.num_slots = num_slots
         self.checksums = checksums
-        self.buffer: torch.Tensor = torch.zeros(
-            (num_slots, layout.bytes_per_block), dtype=torch.uint8, pin_memory=pin_memory
-        )
-        self.array: npt.NDArray[np.uint8] = self.buffer.numpy()
+        shape = (layout.num_segments, num_slots, layout.segment_bytes)
+        self.buffer: torch.Tensor = torch.zeros(shape, dtype=torch.uint8, pin_memory=pin_memory)
+        self._arrays: list[npt.NDArray[np.uint8]] = list(self.buffer.numpy())
+        # Flat byte views of the planes: a slot's segment is a slice (about 0.1 us), where
+        # a numpy row's buffer export costs microseconds, paid per block and segment.
+        self._flat = [plane.data.cast("B") for plane in self._arrays]
+        self.array = SlotRows(self._flat, layout.segment_bytes)
         self._sums = np.zeros(num_slots, dtype=np.uint64)
         self._lock = threading.Lock()
         self.num_checksum_failures = 0
@@ -63,15 +74,22 @@ class MemoryStore:
         return self._layout
 
     def segments(self) -> list[torch.Tensor]:
-        """The buffer cut like a device cache: `num_segments` views `[num_slots, seg]`."""
-        if not self._layout.per_layer:
-            return [self.buffer]
-        size = self._layout.segment_bytes
-        return [self.buffer[:, i * size : (i + 1) * size] for i in range(self._layout.num_segments)]
+        """The buffer cut like a device cache: `num_segments` contiguous `[num_slots, seg]`."""
+        return list(self.buffer)
 
     def segment_arrays(self) -> list[npt.NDArray[np.uint8]]:
         """`segments()` as numpy views (what CPU copies use; cheaper to keep than remake)."""
-        return [segment.numpy() for segment in self.segments()]
+        return list(self._arrays)
+
+    def slot_parts(self, slots: Sequence[int] | npt.NDArray[np.int64]) -> list[list[memoryview]]:
+        """Each slot's bytes as its segments in layout order (writable views, no copy)."""
+        size = self._layout.segment_bytes
+        flat = self._flat
+        parts = []
+        for slot in np.asarray(slots, dtype=np.int64).tolist():
+            piece = slice(slot * size, (slot + 1) * size)
+            parts.append([plane[piece] for plane in flat])
+        return parts
 
     def slot_ids(self, spec: LoadStoreSpec) -> npt.NDArray[np.int64]:
         """The spec's slot ids, validated against the buffer."""
@@ -85,14 +103,19 @@ class MemoryStore:
     def seal(self, slot_ids: npt.NDArray[np.int64]) -> None:
         """Record checksums of freshly written slots (no-op unless `checksums`)."""
         if self.checksums:
-            for slot in slot_ids.tolist():
-                self._sums[slot] = block_checksum(self.array[slot])
+            for slot, parts in zip(slot_ids.tolist(), self.slot_parts(slot_ids), strict=True):
+                self._sums[slot] = segments_checksum(parts)
 
     def verify(self, slot_ids: npt.NDArray[np.int64]) -> None:
         """Raise `BlockLoadError` (and count) if a slot no longer matches its checksum."""
         if not self.checksums:
             return
-        bad = [s for s in slot_ids.tolist() if block_checksum(self.array[s]) != self._sums[s]]
+        slots = slot_ids.tolist()
+        bad = [
+            slot
+            for slot, parts in zip(slots, self.slot_parts(slot_ids), strict=True)
+            if segments_checksum(parts) != self._sums[slot]
+        ]
         if bad:
             with self._lock:
                 self.num_checksum_failures += len(bad)
@@ -100,18 +123,100 @@ class MemoryStore:
 
     def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
         slots = self._checked(spec, blocks)
-        for slot, block in zip(slots.tolist(), blocks, strict=True):
-            self.array[slot] = np.frombuffer(block, dtype=np.uint8)
+        for parts, block in zip(self.slot_parts(slots), blocks, strict=True):
+            self._split(block, parts, into_slot=True)
         self.seal(slots)
 
     def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
         slots = self._checked(spec, blocks)
         self.verify(slots)
-        for slot, block in zip(slots.tolist(), blocks, strict=True):
-            np.frombuffer(block, dtype=np.uint8)[:] = self.array[slot]
+        for parts, block in zip(self.slot_parts(slots), blocks, strict=True):
+            self._split(block, parts, into_slot=False)
+
+    def _split(self, block: memoryview, parts: list[memoryview], *, into_slot: bool) -> None:
+        """Copy a whole row to (or from) a slot's segments."""
+        row = memoryview(block).cast("B")
+        size = self._layout.segment_bytes
+        for k, part in enumerate(parts):
+            if into_slot:
+                part[:] = row[k * size : (k + 1) * size]
+            else:
+                row[k * size : (k + 1) * size] = part
 
     def _checked(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> npt.NDArray[np.int64]:
         slots = self.slot_ids(spec)
         if len(blocks) != len(slots):
             raise ValueError(f"{len(blocks)} buffers for {len(slots)} slots")
+        size = self._layout.bytes_per_block
+        for block in blocks:
+            if memoryview(block).nbytes != size:
+                raise ValueError(f"block of {memoryview(block).nbytes} bytes, layout needs {size}")
         return slots
+
+
+class SlotRows:
+    """The slots as rows of `bytes_per_block` bytes in layout order, over the segment-major
+    buffer: `rows[slot][i]` and `rows[slot, i]` read or write byte `i` of a slot, and
+    `bytes(rows[slot])` copies a slot out. For inspection and tests; copies of blocks go
+    through `MemoryStore.segments()` and `slot_parts()`."""
+
+    def __init__(self, planes: list[memoryview], segment_bytes: int) -> None:
+        self.planes = planes
+        self.segment_bytes = segment_bytes
+        self.row_bytes = segment_bytes * len(planes)
+
+    def __len__(self) -> int:
+        return len(self.planes[0]) // self.segment_bytes
+
+    @overload
+    def __getitem__(self, key: int) -> SlotRow: ...
+
+    @overload
+    def __getitem__(self, key: tuple[int, int]) -> int: ...
+
+    def __getitem__(self, key: int | tuple[int, int]) -> SlotRow | int:
+        if isinstance(key, tuple):
+            slot, index = key
+            return self.row(slot)[index]
+        return self.row(key)
+
+    def __setitem__(self, key: tuple[int, int], value: int) -> None:
+        slot, index = key
+        self.row(slot)[index] = value
+
+    def row(self, slot: int) -> SlotRow:
+        if not -len(self) <= slot < len(self):
+            raise IndexError(f"slot {slot} outside [0, {len(self)})")
+        return SlotRow(self, int(slot) % len(self))
+
+
+class SlotRow:
+    """One slot of `SlotRows`, indexed by byte."""
+
+    def __init__(self, rows: SlotRows, slot: int) -> None:
+        self._rows = rows
+        self.slot = slot
+
+    def __len__(self) -> int:
+        return self._rows.row_bytes
+
+    def __getitem__(self, index: int) -> int:
+        plane, offset = self._locate(index)
+        return int(plane[offset])
+
+    def __setitem__(self, index: int, value: int) -> None:
+        plane, offset = self._locate(index)
+        plane[offset] = value
+
+    def __bytes__(self) -> bytes:
+        size = self._rows.segment_bytes
+        piece = slice(self.slot * size, (self.slot + 1) * size)
+        return b"".join(plane[piece] for plane in self._rows.planes)
+
+    def _locate(self, index: int) -> tuple[memoryview, int]:
+        """The plane holding this slot's byte `index`, and the byte's offset there."""
+        rows = self._rows
+        if not -rows.row_bytes <= index < rows.row_bytes:
+            raise IndexError(f"byte {index} outside a slot of {rows.row_bytes} bytes")
+        segment, offset = divmod(int(index) % rows.row_bytes, rows.segment_bytes)
+        return rows.planes[segment], self.slot * rows.segment_bytes + offset

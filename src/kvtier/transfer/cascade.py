@@ -80,7 +80,7 @@ class CascadeHandler:
             in_cpu = {p: i for i, p in enumerate(spec.cpu_positions)}
             if spec.cpu is not None and all(p in in_cpu for p in spec.disk_positions):
                 slots = self.memory.slot_ids(spec.cpu)[[in_cpu[p] for p in spec.disk_positions]]
-                self.disk.write_blocks(spec.disk, self._rows(slots))  # write-through
+                self.disk.write_segments(spec.disk, self.memory.slot_parts(slots))  # write-through
                 moved += len(slots) * self.kv.layout.bytes_per_block
             else:
                 moved += self._staged.store(device_ids[spec.disk_positions], spec.disk, ready)
@@ -134,7 +134,7 @@ class CascadeHandler:
         try:
             slots = self.memory.slot_ids(demotion.src)
             self.memory.verify(slots)
-            self.disk.write_blocks(demotion.dst, self._rows(slots))
+            self.disk.write_segments(demotion.dst, self.memory.slot_parts(slots))
         except Exception as exc:  # not this job's blocks: record, and go on
             log.warning("demotion of %d blocks failed: %r", len(demotion.block_hashes), exc)
             with self._lock:
@@ -145,6 +145,3 @@ class CascadeHandler:
             return
         for slot in slots.tolist():
             self._failed_demotions.pop(slot, None)
-
-    def _rows(self, slots: npt.NDArray[np.int64]) -> list[memoryview]:
-        return [memoryview(self.memory.array[slot]) for slot in slots.tolist()]

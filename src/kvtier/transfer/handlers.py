@@ -1,8 +1,8 @@
 """How one job's bytes move, per kind of medium; the worker supplies threads and order.
 
 - `HostSlotHandler`: the memory tier. Device blocks are copied straight into (and
-  out of) the store's slot rows: no staging, one strided copy per run of consecutive
-  ids and segment.
+  out of) the store's segment-major slots: no staging, one contiguous copy per run of
+  consecutive ids and segment, or one gather/scatter per segment for shuffled ids.
 - `StagedHandler`: any `BlockStore` (disk, Redis). Device blocks are gathered into
   contiguous host rows, which the store writes; loads go the other way. On a CPU
   device with the cross-layer layout a block already is one contiguous row, so the
@@ -21,6 +21,7 @@ import numpy.typing as npt
 import torch
 
 from kvtier.offload.abstract import LoadStoreSpec
+from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockStore
 from kvtier.transfer.device import DeviceKV, copy_blocks, cuda_event, cuda_stream
@@ -124,7 +125,7 @@ class StagedHandler:
         self._seg_bytes = kv.layout.segment_bytes
         self._rows = on_cpu and len(self._flat) == 1
         self._segmented = on_cpu and not self._rows and hasattr(store, "write_segments")
-        self._staging: dict[str, MemoryStore] = {}
+        self._staging: dict[str, _Staging] = {}
 
     def prepare_store(self) -> Any:
         return self.kv.record_compute()
@@ -142,9 +143,9 @@ class StagedHandler:
         self._streams.run(
             self._streams.store,
             ready,
-            lambda: copy_blocks(self.kv.segments, device_ids, staging.segments(), slots),
+            lambda: copy_blocks(self.kv.segments, device_ids, staging.segments, slots),
         )
-        self.medium.write_blocks(spec, [memoryview(staging.array[i]) for i in slots.tolist()])
+        self.medium.write_blocks(spec, staging.rows[: len(slots)])
         return moved
 
     def load(self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64]) -> int:
@@ -157,11 +158,11 @@ class StagedHandler:
             return moved
         staging = self._stage("load", len(device_ids))
         slots = np.arange(len(device_ids), dtype=np.int64)
-        self.medium.read_blocks(spec, [memoryview(staging.array[i]) for i in slots.tolist()])
+        self.medium.read_blocks(spec, staging.rows[: len(slots)])
         self._streams.run(
             self._streams.load,
             None,
-            lambda: copy_blocks(staging.segments(), slots, self.kv.segments, device_ids),
+            lambda: copy_blocks(staging.segments, slots, self.kv.segments, device_ids),
         )
         return moved
 
@@ -177,11 +178,26 @@ class StagedHandler:
             views.append([f[piece] for f in flat])  # a third cheaper, paid per block
         return views
 
-    def _stage(self, direction: str, num_blocks: int) -> MemoryStore:
+    def _stage(self, direction: str, num_blocks: int) -> _Staging:
         """This direction's staging rows, grown (never shrunk) to fit the job."""
         staging = self._staging.get(direction)
-        if staging is None or staging.num_slots < num_blocks:
-            size = max(num_blocks, 2 * staging.num_slots if staging else 8)
-            staging = MemoryStore(self.kv.layout, size, pin_memory=self.kv.is_cuda)
+        if staging is None or len(staging.rows) < num_blocks:
+            size = max(num_blocks, 2 * len(staging.rows) if staging else 8)
+            staging = _Staging(self.kv.layout, size, pin_memory=self.kv.is_cuda)
             self._staging[direction] = staging
         return staging
+
+
+class _Staging:
+    """Contiguous host rows (what `BlockStore.write_blocks` takes), cut into segment
+    views `[num_rows, seg]` like a device cache for the gather/scatter copies."""
+
+    def __init__(self, layout: KVLayout, num_rows: int, *, pin_memory: bool) -> None:
+        size = layout.segment_bytes
+        self.buffer = torch.zeros(
+            (num_rows, layout.bytes_per_block), dtype=torch.uint8, pin_memory=pin_memory
+        )
+        self.segments = [
+            self.buffer[:, k * size : (k + 1) * size] for k in range(layout.num_segments)
+        ]
+        self.rows = [memoryview(row) for row in self.buffer.numpy()]
