@@ -200,3 +200,20 @@ def test_a_gather_refuses_source_ids_out_of_range() -> None:
     assert not dst[0].any()
     device.copy_blocks(src, np.array([3, 1, 2]), dst, np.array([0, 1, 2]))
     assert dst[0][:3].tolist() == src[0][[3, 1, 2]].tolist()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["per_layer", "cross_layer"])
+def test_planes_stack_per_layer_and_copy_like_single_segments(layout: KVLayout) -> None:
+    kv = random_kv(layout, num_blocks=8, seed=8)
+    host = MemoryStore(layout, 8)
+    stacks = device.stack_planes(kv.segments, host.segments())
+    # A layer's K and V planes share one tensor at one stride; the host planes are one buffer.
+    seg = layout.segment_bytes
+    expected = [(2, 8, seg)] * layout.num_layers if layout.per_layer else [(1, 8, seg)]
+    assert [tuple(src.shape) for src, _ in stacks] == expected
+    for src, dst in stacks:
+        dst[:, 2:5].copy_(src[:, 1:4])
+    for block in range(1, 4):
+        assert b"".join(host.slot_parts([block + 1])[0]) == block_bytes(kv, block)
+    apart = [torch.zeros((4, 8), dtype=torch.uint8) for _ in range(2)]  # separate tensors
+    assert len(device.stack_planes(apart, [torch.zeros((4, 8), dtype=torch.uint8)] * 2)) == 2

@@ -24,7 +24,13 @@ from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockStore
-from kvtier.transfer.device import DeviceKV, copy_blocks, cuda_event, cuda_stream
+from kvtier.transfer.device import (
+    DeviceKV,
+    copy_blocks,
+    cuda_event,
+    cuda_stream,
+    stack_planes,
+)
 
 
 class TransferHandler(Protocol):
@@ -71,6 +77,10 @@ class HostSlotHandler:
         self._streams = _Streams(kv)
         self._host_segments = store.segments()
         self._host_arrays = None if kv.is_cuda else store.segment_arrays()
+        self._stacks = {
+            "store": stack_planes(kv.segments, self._host_segments),
+            "load": stack_planes(self._host_segments, kv.segments),
+        }
 
     def prepare_store(self) -> Any:
         return self.kv.record_compute()
@@ -87,6 +97,7 @@ class HostSlotHandler:
                 slots,
                 src_arrays=self.kv.arrays or None,
                 dst_arrays=self._host_arrays,
+                stacks=self._stacks["store"],
             ),
         )
         self.host.seal(slots)
@@ -105,6 +116,7 @@ class HostSlotHandler:
                 device_ids,
                 src_arrays=self._host_arrays,
                 dst_arrays=self.kv.arrays or None,
+                stacks=self._stacks["load"],
             ),
         )
 
