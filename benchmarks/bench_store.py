@@ -7,8 +7,9 @@
    filled buffers (alternately). Target: >= 80%. For the per-layer layout the tier
    is also compared with plain numpy copies of the same segments between the same
    two layouts (`*_ratio_vs_plain_segment_copies`): the per-layer engine layout cuts
-   a block into 16-32 KiB pieces, and copies of such pieces run at ~85% of one big
-   copy (no streaming stores), whoever makes them.
+   a job into one piece per segment (16-64 of them, 256 KiB to 1 MiB each, the host
+   buffer being segment-major), and copies of such pieces run at ~80-90% of one big
+   copy (glibc's memmove uses streaming stores from ~14 MiB only), whoever makes them.
 2. Disk tier: the same through a `DiskStore` (file per block, fsync, rename,
    directory fsync, xxh3 at store and load). Baseline, same run: plain sequential
    writes of the same bytes, one file per block, each fdatasync'ed, one directory
@@ -125,7 +126,7 @@ class BaselineCopy:
 
 class SegmentCopies:
     """Plain numpy copies of the same bytes between the same two layouts: one copy per
-    segment per job (16-32 KiB pieces per block), as the per-layer engine layout forces.
+    segment per job (a run of 16-32 KiB pieces), as the per-layer engine layout forces.
     Not the target's baseline; it shows how much of the gap to one big copy is the
     layout's (small pieces, no streaming stores) and how much is ours."""
 

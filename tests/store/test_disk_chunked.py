@@ -7,6 +7,7 @@ would skip, and use segment lists of both engine layouts.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from kvtier.store.diskformat import (
     HeaderCheck,
     file_name,
     payload_checksum,
+    read_into,
 )
 from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError
@@ -106,3 +108,17 @@ def test_the_fast_header_check_agrees_with_the_full_one() -> None:
         HeaderCheck(fingerprint, 999).payload_checksum(header, block_hash)
     with pytest.raises(FormatError, match="header of"):
         check.payload_checksum(header[:-1], block_hash)
+
+
+def test_read_into_more_parts_than_one_readv_takes_and_a_short_file(tmp_path: Path) -> None:
+    data = random.Random(5).randbytes(1100 * 4)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    target = bytearray(len(data) + 8)
+    views = [memoryview(target)[i : i + 4] for i in range(0, len(target), 4)]  # 1102 parts
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert read_into(fd, views, len(target)) == len(data)  # past IOV_MAX, then EOF
+    finally:
+        os.close(fd)
+    assert bytes(target[: len(data)]) == data

@@ -42,16 +42,17 @@ from kvtier.store.checksum import ChecksumError, segments_checksum
 from kvtier.store.diskformat import (
     DIR_PREFIX,
     LAYOUT_FILE,
-    READ_CHUNK,
     SUFFIX,
     TMP_SUFFIX,
     BlockHeader,
     FormatError,
     HeaderCheck,
+    chunk_group,
+    chunked,
     durable_write,
     file_name,
     hash_of,
-    read_into,
+    read_hashed,
     sync_directory,
 )
 from kvtier.store.layout import KVLayout, LayoutMismatchError
@@ -108,7 +109,7 @@ class DiskStore:
         self._prefix = f"{self.directory}{os.sep}"
         self._size = layout.bytes_per_block
         self._header_check = HeaderCheck(layout.fingerprint_bytes, self._size)
-        self._group = max(1, READ_CHUNK // layout.segment_bytes)  # segments per read
+        self._group = chunk_group(layout.segment_bytes)
         self._lock = threading.Lock()
         self._local = threading.local()  # each reading thread's reusable xxh3 state
         self._sizes: dict[BlockHash, int] = {}
@@ -305,51 +306,31 @@ class DiskStore:
     def _read_one(
         self, block_hash: BlockHash, parts: Sequence[memoryview], state: xxhash.xxh3_64
     ) -> None:
-        """Read one block straight into `parts` and verify it there, while it is still in
-        this core's cache (a hashing thread was tried: on two busy cores the hand-off and
-        the cross-core reads cost more than the hash); a missing, torn or corrupt block
-        raises `BlockLoadError` (and a damaged file is dropped)."""
+        """Read one block straight into `parts` and verify it there, chunk by chunk while
+        each is in this core's cache; a missing, torn or corrupt block raises
+        `BlockLoadError` (and a damaged file is dropped).
+
+        A hashing thread (reading block i+1 while block i is hashed on the other core)
+        was measured and dropped: its hand-offs need the GIL back after every segment's
+        hash, and the reader stalls behind it (CPython's GIL convoy); per-layer loads
+        got slower, and only 2 MiB cross-layer loads on an idle machine got faster."""
         try:
             fd = os.open(self._prefix + block_hash.hex() + SUFFIX, os.O_RDONLY)
         except FileNotFoundError:
             raise self._missing_error(block_hash) from None
         raw_header = bytearray(_FIXED_HEADER + len(block_hash))
-        chunks = self._chunks(parts)
-        state.reset()
         try:
-            first: list[bytearray | memoryview] = [raw_header, *chunks[0]]
-            got = read_into(fd, first, len(raw_header) + sum(map(_NBYTES, chunks[0])))
-            got -= len(raw_header)
-            any(map(state.update, chunks[0]))  # update returns None: a C-level loop
-            for chunk in chunks[1:]:
-                got += read_into(fd, chunk, sum(map(_NBYTES, chunk)))
-                any(map(state.update, chunk))
+            got, checksum = read_hashed(fd, raw_header, chunked(parts, self._group), state)
         finally:
             os.close(fd)
         try:
             if got != self._size:
                 raise FormatError(f"torn block file ({got} of {self._size} payload bytes)")
             expected = self._header_check.payload_checksum(raw_header, block_hash)
-            checksum = state.intdigest()
             if checksum != expected:
                 raise ChecksumError(f"checksum mismatch for block {block_hash.hex()}")
         except ValueError as exc:  # FormatError, ChecksumError
             raise self._drop_corrupt(block_hash, str(exc)) from exc
-
-    def _chunks(self, parts: Sequence[memoryview]) -> list[Sequence[memoryview]]:
-        """`parts` as reads of about `READ_CHUNK` bytes: runs of `self._group` parts, or
-        slices of a single big part. (Any grouping reads the same bytes; this one is
-        sized for the layout's segments, so it costs no per-part arithmetic.)"""
-        if len(parts) == 1:
-            whole = parts[0]
-            if whole.nbytes <= READ_CHUNK:
-                return [parts]
-            whole = whole.cast("B") if whole.format != "B" or whole.ndim != 1 else whole
-            return [[whole[i : i + READ_CHUNK]] for i in range(0, len(whole), READ_CHUNK)]
-        group = self._group
-        if len(parts) <= group:
-            return [parts]
-        return [parts[i : i + group] for i in range(0, len(parts), group)]
 
     def _missing_error(self, block_hash: BlockHash) -> BlockLoadError:
         with self._lock:

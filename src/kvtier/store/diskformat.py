@@ -15,6 +15,7 @@ never share a file name space.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import struct
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ _FIXED = struct.Struct("<4sHH16sQQ")
 _CHECK = struct.Struct("<Q")
 _PREFIX = struct.Struct("<4sHH16sQ")  # _FIXED up to, not including, the payload xxh3
 _IOV_MAX = 1024  # POSIX minimum is 16, Linux allows 1024
+_NBYTES = operator.attrgetter("nbytes")
 
 # Loads read and hash this much at a time, so the checksum reads each piece right after
 # the kernel wrote it, while it is in this core's cache (xxh3 runs at ~14 GB/s there,
@@ -200,6 +202,44 @@ def read_into(fd: int, views: Sequence[bytearray | memoryview], want: int) -> in
             total += got
             view = view[got:]
     return total
+
+
+def chunk_group(segment_bytes: int) -> int:
+    """How many segments of this size make one read of about `READ_CHUNK` bytes."""
+    return max(1, READ_CHUNK // segment_bytes)
+
+
+def chunked(parts: Sequence[memoryview], group: int) -> list[Sequence[memoryview]]:
+    """`parts` as reads of about `READ_CHUNK` bytes: runs of `group` parts, or slices of
+    a single big part. (Any grouping reads the same bytes; this one is sized for the
+    layout's segments, so it costs no per-part arithmetic.)"""
+    if len(parts) == 1:
+        whole = parts[0]
+        if whole.nbytes <= READ_CHUNK:
+            return [parts]
+        whole = whole.cast("B") if whole.format != "B" or whole.ndim != 1 else whole
+        return [[whole[i : i + READ_CHUNK]] for i in range(0, len(whole), READ_CHUNK)]
+    if len(parts) <= group:
+        return [parts]
+    return [parts[i : i + group] for i in range(0, len(parts), group)]
+
+
+def read_hashed(
+    fd: int, raw_header: bytearray, chunks: Sequence[Sequence[memoryview]], state: xxhash.xxh3_64
+) -> tuple[int, int]:
+    """Read a block file's header, then its payload straight into the parts of `chunks`
+    (no bounce copy), each chunk hashed right after its read (see `READ_CHUNK`).
+    Returns the payload bytes read (short only on a torn file) and their xxh3, which
+    equals the one-shot xxh3 of the whole payload."""
+    state.reset()
+    first: list[bytearray | memoryview] = [raw_header, *chunks[0]]
+    got = read_into(fd, first, len(raw_header) + sum(map(_NBYTES, chunks[0])))
+    got -= len(raw_header)
+    any(map(state.update, chunks[0]))  # update returns None: a C-level loop over all
+    for chunk in chunks[1:]:
+        got += read_into(fd, chunk, sum(map(_NBYTES, chunk)))
+        any(map(state.update, chunk))
+    return max(got, 0), int(state.intdigest())
 
 
 def sync_directory(directory: str | os.PathLike[str]) -> None:

@@ -170,7 +170,7 @@ def copy_blocks(
 
 # From this many bytes per copied piece on, torch's vectorised copy loop is 5-10% faster
 # than numpy's memmove (`rep movsb` at these sizes), which outweighs its higher cost per
-# call (~3 us against ~1 us). Measured on 16 KiB to 16 MiB pieces: contiguous runs gain
+# call (3-7 us against 1-2 us). Measured on 16 KiB to 16 MiB pieces: contiguous runs gain
 # from 256 KiB; single rows of a gather only from 1 MiB (below, one numpy `take` of all
 # rows is cheaper than a torch call per row).
 TORCH_COPY_BYTES = 256 << 10
@@ -183,7 +183,7 @@ def stack_planes(
     """Runs of consecutive segments that lie at one constant stride inside one allocation
     on both sides (a layer's K and V planes; all planes of a `MemoryStore`), each as a
     pair of `[planes, rows, bytes]` views: one torch copy then moves a run of blocks in
-    all of them (a torch call costs ~5 us, and per-layer layouts have 16-64 segments)."""
+    all of them (a torch call costs 3-7 us, and per-layer layouts have 16-64 segments)."""
     stacks, start = [], 0
     for end in range(1, len(src) + 1):
         if end < len(src) and _joins(src, start, end) and _joins(dst, start, end):
