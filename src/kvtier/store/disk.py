@@ -320,7 +320,9 @@ class DiskStore:
             raise self._missing_error(block_hash) from None
         raw_header = bytearray(_FIXED_HEADER + len(block_hash))
         try:
-            got, checksum = read_hashed(fd, raw_header, chunked(parts, self._group), state)
+            got, checksum = read_hashed(
+                fd, raw_header, chunked(parts, self._group), self._size, state
+            )
         finally:
             os.close(fd)
         try:

@@ -225,17 +225,29 @@ def chunked(parts: Sequence[memoryview], group: int) -> list[Sequence[memoryview
 
 
 def read_hashed(
-    fd: int, raw_header: bytearray, chunks: Sequence[Sequence[memoryview]], state: xxhash.xxh3_64
+    fd: int,
+    raw_header: bytearray,
+    chunks: Sequence[Sequence[memoryview]],
+    size: int,
+    state: xxhash.xxh3_64,
 ) -> tuple[int, int]:
-    """Read a block file's header, then its payload straight into the parts of `chunks`
-    (no bounce copy), each chunk hashed right after its read (see `READ_CHUNK`).
-    Returns the payload bytes read (short only on a torn file) and their xxh3, which
-    equals the one-shot xxh3 of the whole payload."""
+    """Read a block file's header, then its `size`-byte payload straight into the parts
+    of `chunks` (no bounce copy), each chunk hashed right after its read (see
+    `READ_CHUNK`). Returns the payload bytes read (short only on a torn file) and their
+    xxh3, which equals the one-shot xxh3 of the whole payload."""
+    head = len(raw_header)
+    if len(chunks) == 1:  # the usual block: one readv, one hash (a few calls less)
+        parts = chunks[0]
+        got = read_into(fd, [raw_header, *parts], head + size) - head
+        if len(parts) == 1:
+            return max(got, 0), int(xxhash.xxh3_64_intdigest(parts[0]))
+        state.reset()
+        any(map(state.update, parts))  # update returns None: a C-level loop over all
+        return max(got, 0), int(state.intdigest())
     state.reset()
     first: list[bytearray | memoryview] = [raw_header, *chunks[0]]
-    got = read_into(fd, first, len(raw_header) + sum(map(_NBYTES, chunks[0])))
-    got -= len(raw_header)
-    any(map(state.update, chunks[0]))  # update returns None: a C-level loop over all
+    got = read_into(fd, first, head + sum(map(_NBYTES, chunks[0]))) - head
+    any(map(state.update, chunks[0]))
     for chunk in chunks[1:]:
         got += read_into(fd, chunk, sum(map(_NBYTES, chunk)))
         any(map(state.update, chunk))
