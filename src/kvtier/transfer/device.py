@@ -136,10 +136,10 @@ def copy_blocks(
 
     On CUDA: one strided copy per run of ids consecutive on both sides. On CPU the
     pairs are cut at whichever side has fewer runs: a run of consecutive destination
-    ids is one numpy `take` gather into it, a run of consecutive source ids one numpy
-    scatter from it; both loop over blocks in C, not in Python, with one memcpy per
-    block (torch's `index_select` measured slower and erratic here, and its scatter
-    kernels copy element by element at a fifth of memcpy speed).
+    ids is one gather into it (numpy `take`; torch `index_select` for big rows), a run
+    of consecutive source ids one numpy scatter from it; both loop over blocks in C, not
+    in Python (torch's scatter kernels copy element by element at a fifth of memcpy
+    speed). Which library copies what: see `TORCH_COPY_BYTES`.
     `src_arrays`/`dst_arrays`: the segments' numpy views, when the caller keeps them;
     `stacks`: `stack_planes(src, dst)`, likewise (runs then copy a stack per call).
     """
@@ -170,9 +170,10 @@ def copy_blocks(
 
 # From this many bytes per copied piece on, torch's vectorised copy loop is 5-10% faster
 # than numpy's memmove (`rep movsb` at these sizes), which outweighs its higher cost per
-# call (3-7 us against 1-2 us). Measured on 16 KiB to 16 MiB pieces: contiguous runs gain
-# from 256 KiB; single rows of a gather only from 1 MiB (below, one numpy `take` of all
-# rows is cheaper than a torch call per row).
+# call (3-7 us against 1-2 us). Measured on 16 KiB to 16 MiB pieces: contiguous runs
+# gain from 256 KiB, and so do gathers of rows (`index_select`, 0.97 of a big copy
+# where numpy's `take` gets 0.89); a scatter has no fast torch kernel (`index_copy_`
+# copies element by element), so only rows of 1 MiB and more go one torch copy each.
 TORCH_COPY_BYTES = 256 << 10
 TORCH_ROW_BYTES = 1 << 20
 
@@ -227,7 +228,9 @@ class _Sides:
         self.src, self.src_np, self.dst, self.dst_np = src, src_np, dst, dst_np
         self.stacks = stacks
         self.limit = len(src_np[0])
-        self.big_rows = int(src_np[0].shape[1]) >= TORCH_ROW_BYTES
+        row = int(src_np[0].shape[1])
+        self.torch_gather = row >= TORCH_COPY_BYTES and all(t.is_contiguous() for t in dst)
+        self.big_rows = row >= TORCH_ROW_BYTES
 
     def run(self, s: int, d: int, n: int) -> None:
         """Blocks s..s+n-1 to d..d+n-1: one copy per segment (or per stack of them)."""
@@ -242,7 +245,7 @@ class _Sides:
                 dst_stack[:, d : d + n].copy_(src_stack[:, s : s + n])
 
     def rows(self, src_ids: list[int], dst_ids: list[int]) -> None:
-        """Big rows one by one (torch copies; see `TORCH_ROW_BYTES`)."""
+        """Big rows one by one (torch copies; see `TORCH_ROW_BYTES`), for scatters."""
         for s, d in zip(src_ids, dst_ids, strict=True):
             for src_seg, dst_seg in zip(self.src, self.dst, strict=True):
                 dst_seg[d].copy_(src_seg[s])
@@ -268,7 +271,7 @@ def _gather(
     dst_ids: npt.NDArray[np.int64],
     runs: list[tuple[int, int]],
 ) -> None:
-    """Each run of consecutive `dst_ids` is filled by one numpy gather per segment."""
+    """Each run of consecutive `dst_ids` is filled by one gather per segment."""
     for a, b in runs:
         d, chunk = int(dst_ids[a]), src_ids[a:b]
         s = int(chunk[0])
@@ -277,8 +280,10 @@ def _gather(
             continue
         if int(chunk.min()) < 0 or int(chunk.max()) >= sides.limit:  # `take` would clip
             raise IndexError(f"source block ids {chunk.tolist()} outside [0, {sides.limit})")
-        if sides.big_rows:
-            sides.rows(chunk.tolist(), list(range(d, d + b - a)))
+        if sides.torch_gather:
+            index = torch.from_numpy(np.ascontiguousarray(chunk))
+            for src_seg, dst_seg in zip(sides.src, sides.dst, strict=True):
+                torch.index_select(src_seg, 0, index, out=dst_seg[d : d + b - a])
             continue
         for src_array, dst_array in zip(sides.src_np, sides.dst_np, strict=True):
             # mode="clip": no bounds pass and, unlike the default, no buffered copy of out
