@@ -217,3 +217,16 @@ def test_planes_stack_per_layer_and_copy_like_single_segments(layout: KVLayout) 
         assert b"".join(host.slot_parts([block + 1])[0]) == block_bytes(kv, block)
     apart = [torch.zeros((4, 8), dtype=torch.uint8) for _ in range(2)]  # separate tensors
     assert len(device.stack_planes(apart, [torch.zeros((4, 8), dtype=torch.uint8)] * 2)) == 2
+
+
+@pytest.mark.parametrize("row_bytes", [3, 16])
+def test_gathers_and_scatters_move_whole_rows(row_bytes: int) -> None:
+    planes = [torch.randint(0, 255, (8, row_bytes), dtype=torch.uint8) for _ in range(2)]
+    out = [torch.zeros((8, row_bytes), dtype=torch.uint8) for _ in range(2)]
+    gather_src, gather_dst = np.array([5, 0, 7, 2]), np.array([1, 2, 3, 4])  # dst one run
+    device.copy_blocks(planes, gather_src, out, gather_dst)
+    scatter_src, scatter_dst = np.array([4, 5, 6]), np.array([7, 0, 5])  # src one run
+    device.copy_blocks(planes, scatter_src, out, scatter_dst)
+    for src, dst in zip(planes, out, strict=True):
+        assert dst[[1, 2, 3, 4]].tolist() == src[[5, 0, 7, 2]].tolist()
+        assert dst[[7, 0, 5]].tolist() == src[[4, 5, 6]].tolist()
