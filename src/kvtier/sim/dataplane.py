@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from kvtier.connector.chain import ChainSpec, TierChain
 from kvtier.offload.abstract import LoadStoreSpec, OffloadingManager
-from kvtier.sim.metrics import TierCounters
+from kvtier.sim.metrics import TierCounters, served_tokens
 from kvtier.sim.workload import Workload
 from kvtier.types import BlockHash
 
@@ -249,8 +249,9 @@ def data_offload_loop(
                 manager.complete_load(loaded)
             hit = hit if ok else 0  # a failed or corrupt load is a miss: recompute
         prefix_hits += hit
-        hit_tokens += min(hit * bs, request.input_length)
-        saved += min(hit, max(0, request.input_length - 1) // bs) * bs
+        tokens, saved_tokens = served_tokens(hit, bs, request.input_length)
+        hit_tokens += tokens
+        saved += saved_tokens
         manager.touch(hs)
         if hit < n:
             dp.compute(range(hit, n), hs[hit:])
