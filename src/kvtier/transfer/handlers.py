@@ -13,7 +13,7 @@ A handler method raises on failure; the worker turns that into a failed job.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,6 +21,7 @@ import numpy.typing as npt
 import torch
 
 from kvtier.offload.abstract import LoadStoreSpec
+from kvtier.offload.mediums import BlockIDsLoadStoreSpec
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockStore
@@ -84,6 +85,19 @@ class HostSlotHandler:
 
     def prepare_store(self) -> Any:
         return self.kv.record_compute()
+
+    def merge(self, specs: Sequence[LoadStoreSpec]) -> LoadStoreSpec | None:
+        """Several jobs' slot specs as one (the worker runs queued jobs as one copy), or
+        None if a slot repeats (two jobs on one slot must keep their order) or the
+        store verifies checksums: a corrupt slot would fail the merged load, and be
+        found (and counted) again when its jobs then run one by one."""
+        first = specs[0]
+        if self.host.checksums or not isinstance(first, BlockIDsLoadStoreSpec):
+            return None
+        ids = np.concatenate([self.host.slot_ids(spec) for spec in specs])
+        if len(np.unique(ids)) != len(ids):
+            return None
+        return type(first).of_array(ids)
 
     def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
         slots = self.host.slot_ids(spec)

@@ -20,6 +20,12 @@ submitted before it), so a store completes only after every earlier store of the
 same worker. Threads suffice: torch copies, file I/O, hashing and sockets all
 release the GIL.
 
+Jobs that queue up behind a busy thread are run as one when the handler can merge
+their specs (the memory tier): one copy per segment over all of them instead of one
+per job, which is what lets a backlog of small jobs run at the speed of big copies.
+Each job still gets its own result, in order; if a merged run fails, its jobs run
+again one by one, so only the jobs that fail alone are reported failed.
+
 Plugging in a medium: anything implementing `kvtier.store.protocol.BlockStore`
 (`layout`, `write_blocks(spec, blocks)`, `read_blocks(spec, blocks)`) gets a worker
 from `TransferWorker.for_store(kv, store)`; the memory tier's `MemoryStore` gets the
@@ -50,6 +56,12 @@ log = logging.getLogger(__name__)
 STORE = "store"
 LOAD = "load"
 _STOP = object()
+# A merged run takes queued jobs up to about this many bytes. The first job's result
+# waits for the whole run (about 50 ms on this machine's 5 GB/s, 12 ms at 20 GB/s),
+# while the batch as a whole finishes sooner: a step that needs all its loads gains.
+# Measured on bench_store's memory rows: with 64 MiB, shuffled per-layer jobs ran at
+# 0.77-0.79 of one big copy; with 256 MiB at 0.80-0.84 (bigger gathers, fewer calls).
+MERGE_MAX_BYTES = 256 << 20
 
 
 class TransferResult(NamedTuple):
@@ -77,6 +89,7 @@ class TransferWorker:
         if max_queued_jobs < 1:
             raise ValueError(f"max_queued_jobs must be >= 1, got {max_queued_jobs}")
         self.handler = handler
+        self._block_bytes = max(1, handler.kv.layout.bytes_per_block)
         self._lock = threading.Condition()
         self._outstanding: set[int] = set()
         self._order: dict[str, deque[int]] = {STORE: deque(), LOAD: deque()}
@@ -186,11 +199,80 @@ class TransferWorker:
     # worker threads
 
     def _serve(self, jobs: queue.Queue[Any]) -> None:
-        while (item := jobs.get()) is not _STOP:
+        item = jobs.get()
+        while item is not _STOP:
             direction, job = item
-            self._complete(direction, self._run(direction, job))
+            batch, item = self._take_queued(jobs, direction, job)
+            try:
+                results = self._run_batch(direction, batch)
+            except Exception as exc:  # a bug here must fail the jobs, not stop the thread
+                log.exception("transfer worker: %s batch failed", direction)
+                self.errors.extend((j.job_id, repr(exc)) for j in batch)
+                results = [TransferResult(j.job_id, False, 0, 0.0) for j in batch]
+            for result in results:
+                self._complete(direction, result)
+            if item is None:
+                item = jobs.get()
 
-    def _run(self, direction: str, job: _Job) -> TransferResult:
+    def _take_queued(
+        self, jobs: queue.Queue[Any], direction: str, job: _Job
+    ) -> tuple[list[_Job], Any]:
+        """`job` and the jobs of the same direction queued right behind it (when the
+        handler merges), and the next item to serve (None: take one from the queue)."""
+        batch = [job]
+        if getattr(self.handler, "merge", None) is None:
+            return batch, None
+        blocks, limit = len(job.device_ids), MERGE_MAX_BYTES // self._block_bytes
+        while blocks < limit:
+            try:
+                item = jobs.get_nowait()
+            except queue.Empty:
+                return batch, None
+            if item is _STOP or item[0] != direction:  # kept, in order, for after the batch
+                return batch, item
+            batch.append(item[1])
+            blocks += len(item[1].device_ids)
+        return batch, None
+
+    def _run_batch(self, direction: str, batch: list[_Job]) -> list[TransferResult]:
+        """Run queued jobs as one when their specs merge; their results, in order."""
+        merged = self._merged(direction, batch) if len(batch) > 1 else None
+        if merged is None:
+            return [self._run(direction, job) for job in batch]
+        result = self._run(direction, merged, merged=len(batch))
+        if not result.ok:  # find the failing jobs: each runs alone, as if never merged
+            return [self._run(direction, job) for job in batch]
+        # each job's share of the bytes and the time, by its blocks (evenly if none has any)
+        blocks = [len(job.device_ids) for job in batch]
+        total = sum(blocks)
+        shares = [n / total for n in blocks] if total else [1 / len(batch)] * len(batch)
+        return [
+            TransferResult(
+                job.job_id, True, result.bytes * n // max(total, 1), result.seconds * share
+            )
+            for job, n, share in zip(batch, blocks, shares, strict=True)
+        ]
+
+    def _merged(self, direction: str, batch: list[_Job]) -> _Job | None:
+        """One job for all of `batch`, or None when it cannot be one: the handler cannot
+        merge the specs (it also refuses repeated medium slots), or a load would write a
+        device block twice (then the order of the writes would matter)."""
+        try:
+            spec = self.handler.merge([job.spec for job in batch])  # type: ignore[attr-defined]
+        except Exception:  # a bad spec fails its own job when the jobs run one by one
+            return None
+        if spec is None:
+            return None
+        ids = np.concatenate([job.device_ids for job in batch])
+        if direction == LOAD and len(np.unique(ids)) != len(ids):
+            return None
+        # a store's copy waits for the last job's compute event: events are recorded in
+        # submission order on one stream, so it follows all the earlier ones too
+        return _Job(batch[0].job_id, ids, spec, batch[-1].ready)
+
+    def _run(self, direction: str, job: _Job, *, merged: int = 0) -> TransferResult:
+        """Run one job; a failure is logged and recorded against it, unless the job is a
+        merge of `merged` queued jobs (they are then run one by one, and those fail)."""
         start = time.perf_counter()
         try:
             if direction == STORE:
@@ -198,8 +280,11 @@ class TransferWorker:
             else:
                 moved = self.handler.load(job.spec, job.device_ids)
         except Exception as exc:  # a medium failure fails this job, never the scheduler
-            log.warning("%s job %s failed: %r", direction, job.job_id, exc)
-            self.errors.append((job.job_id, repr(exc)))
+            if merged:
+                log.debug("%s of %d merged jobs failed (%r): one by one", direction, merged, exc)
+            else:
+                log.warning("%s job %s failed: %r", direction, job.job_id, exc)
+                self.errors.append((job.job_id, repr(exc)))
             return TransferResult(job.job_id, False, 0, time.perf_counter() - start)
         return TransferResult(job.job_id, True, moved, time.perf_counter() - start)
 
