@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.types import BlockHash
@@ -82,3 +82,20 @@ class OffloadingManager(ABC):
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Yield the recorded events in order, forgetting them."""
         return ()
+
+
+class RecordedEvents:
+    """`take_events` for a manager that records into `self.events` (None: events off).
+
+    The recorded events are handed out in order and forgotten at once, consumed or
+    not: a caller that drops the iterator does not see them again.
+    """
+
+    events: list[OffloadingEvent] | None
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        events = self.events
+        if not events:
+            return iter(())
+        self.events = []
+        return iter(events)

@@ -38,7 +38,7 @@ medium ("CPU", "DISK"), in the order they happened.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,6 +47,7 @@ from kvtier.offload.abstract import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
+    RecordedEvents,
     distinct_hashes,
 )
 from kvtier.offload.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec
@@ -118,7 +119,7 @@ def _core(manager: OffloadingManager) -> Any:
     return manager
 
 
-class CascadeOffloadingManager(OffloadingManager):
+class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
     """CPU tier first, disk tier second; see the module docstring."""
 
     def __init__(
@@ -375,13 +376,6 @@ class CascadeOffloadingManager(OffloadingManager):
             events = tier.take_events()
             if self.events is not None:
                 self.events.extend(events)
-
-    def take_events(self) -> Iterator[OffloadingEvent]:
-        events = self.events
-        if not events:
-            return iter(())
-        self.events = []
-        return iter(events)
 
     def discard_disk_blocks(self, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
         """Forget disk blocks the data plane lost or found corrupt (a disk tier with `discard`)."""

@@ -15,7 +15,7 @@ per manager call; per-block loops run as C-level `map`/`filter` where they can.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Set
+from collections.abc import Callable, Iterable, Set
 from itertools import compress
 from types import MethodType
 from typing import Any, Literal
@@ -26,6 +26,7 @@ from kvtier.offload.abstract import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
+    RecordedEvents,
     distinct_hashes,
 )
 from kvtier.offload.backend import Backend, BlockStatus
@@ -63,7 +64,7 @@ def _evict_split_of(policy: CachePolicy) -> EvictSplit:
     return policy.evict_split
 
 
-class PolicyOffloadingManager(OffloadingManager):
+class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
     """A `Backend` (where blocks live) driven by a `CachePolicy` (which to evict)."""
 
     def __init__(
@@ -227,14 +228,6 @@ class PolicyOffloadingManager(OffloadingManager):
                 OffloadingEvent(removed, backend.block_size, backend.medium, removed=True)
             )
         return removed
-
-    def take_events(self) -> Iterator[OffloadingEvent]:
-        """The recorded events in order; they are forgotten at once, consumed or not."""
-        events = self.events
-        if not events:
-            return iter(())
-        self.events = []
-        return iter(events)
 
     # --- beyond vLLM -------------------------------------------------------
 
