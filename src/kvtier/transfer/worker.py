@@ -39,7 +39,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -90,6 +90,10 @@ class TransferWorker:
             raise ValueError(f"max_queued_jobs must be >= 1, got {max_queued_jobs}")
         self.handler = handler
         self._block_bytes = max(1, handler.kv.layout.bytes_per_block)
+        # the handler's spec merge (the memory tier has one), looked up once
+        self._merge: Callable[[list[LoadStoreSpec]], LoadStoreSpec | None] | None = getattr(
+            handler, "merge", None
+        )
         self._lock = threading.Condition()
         self._outstanding: set[int] = set()
         self._order: dict[str, deque[int]] = {STORE: deque(), LOAD: deque()}
@@ -220,7 +224,7 @@ class TransferWorker:
         """`job` and the jobs of the same direction queued right behind it (when the
         handler merges), and the next item to serve (None: take one from the queue)."""
         batch = [job]
-        if getattr(self.handler, "merge", None) is None:
+        if self._merge is None:
             return batch, None
         blocks, limit = len(job.device_ids), MERGE_MAX_BYTES // self._block_bytes
         while blocks < limit:
@@ -257,8 +261,10 @@ class TransferWorker:
         """One job for all of `batch`, or None when it cannot be one: the handler cannot
         merge the specs (it also refuses repeated medium slots), or a load would write a
         device block twice (then the order of the writes would matter)."""
+        if self._merge is None:
+            return None
         try:
-            spec = self.handler.merge([job.spec for job in batch])  # type: ignore[attr-defined]
+            spec = self._merge([job.spec for job in batch])
         except Exception:  # a bad spec fails its own job when the jobs run one by one
             return None
         if spec is None:
