@@ -10,6 +10,8 @@
    a job into one piece per segment (16-64 of them, 256 KiB to 1 MiB each, the host
    buffer being segment-major), and copies of such pieces run at ~80-90% of one big
    copy (glibc's memmove uses streaming stores from ~14 MiB only), whoever makes them.
+   Shuffled rows are also compared with plain copies of exactly the same rows between
+   the same places (`*_ratio_vs_plain_copy_of_same_rows`: `index_select` / fancy index).
 2. Disk tier: the same through a `DiskStore` (file per block, fsync, rename,
    directory fsync, xxh3 at store and load). Baseline, same run: plain sequential
    writes of the same bytes, one file per block, each fdatasync'ed, one directory
@@ -143,6 +145,35 @@ class SegmentCopies:
                 np.copyto(dst[start:end], src[start:end])
 
 
+class PlainGather:
+    """Plain copies of exactly the same bytes between the same places, job by job: per
+    segment, one torch `index_select` of the shuffled device rows into the job's
+    consecutive slots (a store), or one numpy fancy-index assignment of the slots to
+    the shuffled device rows (a load; torch's scatter kernels copy element by
+    element). Not the target's baseline either: it separates what the shuffled engine
+    layout costs any copy (16-32 KiB pieces in random order) from what the tier adds."""
+
+    def __init__(
+        self, kv: DeviceKV, host: MemoryStore, ids: np.ndarray, per_job: int, direction: str
+    ) -> None:
+        self.device = list(kv.segments)
+        self.host = [seg.clone() for seg in host.segments()]
+        self.jobs = [
+            (start, torch.from_numpy(np.ascontiguousarray(ids[start : start + per_job])))
+            for start in range(0, len(ids), per_job)
+        ]
+        self.direction = direction
+
+    def __call__(self) -> None:
+        for start, index in self.jobs:
+            end = start + len(index)
+            for device, host in zip(self.device, self.host, strict=True):
+                if self.direction == "store":
+                    torch.index_select(device, 0, index, out=host[start:end])
+                else:
+                    device.numpy()[index.numpy()] = host.numpy()[start:end]
+
+
 def bench_memory(quick: bool) -> list[dict[str, Any]]:
     rows = []
     total = (64 if quick else 256) << 20
@@ -183,6 +214,12 @@ def bench_memory(quick: bool) -> list[dict[str, Any]]:
                             _, _, vs_pieces = compare(job, pieces, repeats)
                             row[f"{direction}_ratio_vs_plain_segment_copies"] = round(vs_pieces, 3)
                             del pieces
+                        if order == "shuffled":
+                            gather = PlainGather(kv, host, ids, job_blocks(layout), direction)
+                            _, _, vs_gather = compare(job, gather, repeats)
+                            key = f"{direction}_ratio_vs_plain_copy_of_same_rows"
+                            row[key] = round(vs_gather, 3)
+                            del gather
                 rows.append(row)
                 print(_line("memory", row))
             del kv, host
