@@ -158,20 +158,25 @@ class PlainGather:
     ) -> None:
         self.device = list(kv.segments)
         self.host = [seg.clone() for seg in host.segments()]
+        self.device_np = [seg.numpy() for seg in self.device]
+        self.host_np = [seg.numpy() for seg in self.host]
         self.jobs = [
-            (start, torch.from_numpy(np.ascontiguousarray(ids[start : start + per_job])))
+            (start, np.ascontiguousarray(ids[start : start + per_job]))
             for start in range(0, len(ids), per_job)
         ]
         self.direction = direction
 
     def __call__(self) -> None:
-        for start, index in self.jobs:
-            end = start + len(index)
-            for device, host in zip(self.device, self.host, strict=True):
-                if self.direction == "store":
+        store = self.direction == "store"
+        for start, rows in self.jobs:
+            end = start + len(rows)
+            if store:
+                index = torch.from_numpy(rows)
+                for device, host in zip(self.device, self.host, strict=True):
                     torch.index_select(device, 0, index, out=host[start:end])
-                else:
-                    device.numpy()[index.numpy()] = host.numpy()[start:end]
+            else:
+                for device_np, host_np in zip(self.device_np, self.host_np, strict=True):
+                    device_np[rows] = host_np[start:end]
 
 
 def bench_memory(quick: bool) -> list[dict[str, Any]]:
