@@ -1,15 +1,15 @@
 """Data-plane bandwidth: memory and disk tiers against plain copies of the same bytes.
 
 1. Memory tier: device blocks (CPU tensors here) -> host slots and back, through a
-   `TransferWorker` (jobs of 16 blocks), at 256 KiB and 2 MiB blocks, both engine
-   layouts, device block ids consecutive or shuffled. Baseline, same run: one plain
-   `torch` copy and one `numpy` copy of the same number of bytes between two
-   filled buffers (alternately). Target: >= 80%. For the per-layer layout the tier
-   is also compared with plain numpy copies of the same segments between the same
-   two layouts (`*_ratio_vs_plain_segment_copies`): the per-layer engine layout cuts
-   a job into one piece per segment (16-64 of them, 256 KiB to 1 MiB each, the host
-   buffer being segment-major), and copies of such pieces run at ~80-90% of one big
-   copy (glibc's memmove uses streaming stores from ~14 MiB only), whoever makes them.
+   `TransferWorker` (jobs of `JOB_BYTES`: 64 blocks of 256 KiB, 8 of 2 MiB), at 256 KiB
+   and 2 MiB blocks, both engine layouts, device block ids consecutive or shuffled.
+   Baseline, same run: one plain `torch` copy and one `numpy` copy of the same number of
+   bytes between two filled buffers (alternately). Target: >= 80%. For the per-layer
+   layout the tier is also compared with plain numpy copies of the same segments between
+   the same two layouts (`*_ratio_vs_plain_segment_copies`): the per-layer engine layout
+   cuts a job into one piece per segment (16-64 of them, 256 KiB to 1 MiB each, the host
+   buffer being segment-major), and copies of such pieces run at ~80-90% of one big copy
+   (glibc's memmove uses streaming stores from ~14 MiB only), whoever makes them.
    Shuffled rows are also compared with plain copies of exactly the same rows between
    the same places (`*_ratio_vs_plain_copy_of_same_rows`: `index_select` / fancy index).
 2. Disk tier: the same through a `DiskStore` (file per block, fsync, rename,
@@ -185,6 +185,7 @@ def bench_memory(quick: bool) -> list[dict[str, Any]]:
     repeats = 3 if quick else 7
     for size, base_layout in LAYOUTS.items():
         num_blocks = total // base_layout.bytes_per_block
+        per_job = job_blocks(base_layout)
         baseline = BaselineCopy(total)
         for per_layer in (True, False):
             layout = dataclasses.replace(base_layout, per_layer=per_layer)
@@ -192,8 +193,7 @@ def bench_memory(quick: bool) -> list[dict[str, Any]]:
             host = MemoryStore(layout, num_blocks)
             slots = np.arange(num_blocks, dtype=np.int64)
             specs = [
-                CPULoadStoreSpec(slots[i : i + job_blocks(layout)])
-                for i in range(0, num_blocks, job_blocks(layout))
+                CPULoadStoreSpec(slots[i : i + per_job]) for i in range(0, num_blocks, per_job)
             ]
             for order in ("consecutive", "shuffled"):
                 ids = (
@@ -215,12 +215,12 @@ def bench_memory(quick: bool) -> list[dict[str, Any]]:
                         row[f"{direction}_best_ratio"] = round(base / ours, 3)
                         row[f"{direction}_ratio"] = round(paired, 3)
                         if per_layer:
-                            pieces = SegmentCopies(kv, host, job_blocks(layout))
+                            pieces = SegmentCopies(kv, host, per_job)
                             _, _, vs_pieces = compare(job, pieces, repeats)
                             row[f"{direction}_ratio_vs_plain_segment_copies"] = round(vs_pieces, 3)
                             del pieces
                         if order == "shuffled":
-                            gather = PlainGather(kv, host, ids, job_blocks(layout), direction)
+                            gather = PlainGather(kv, host, ids, per_job, direction)
                             _, _, vs_gather = compare(job, gather, repeats)
                             key = f"{direction}_ratio_vs_plain_copy_of_same_rows"
                             row[key] = round(vs_gather, 3)
