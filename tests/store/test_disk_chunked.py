@@ -1,7 +1,7 @@
 """Disk loads of big blocks into many segments: every part lands and is verified.
 
-Loads read a block with one `readv` into its segments and hash them on a helper thread;
-these tests put corruption and truncation in the last part, the one a wrong split
+Loads read a block with `readv`s straight into its segments and hash each chunk as it
+lands; these tests put corruption and truncation in the last part, the one a wrong split
 would skip, and use segment lists of both engine layouts.
 """
 

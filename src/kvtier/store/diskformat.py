@@ -117,6 +117,22 @@ class HeaderCheck:
         self._prefixes: dict[int, bytes] = {}
 
     def payload_checksum(self, data: bytes | bytearray, block_hash: BlockHash) -> int:
+        stored = self.stored_checksum(data, block_hash)
+        if stored is not None:
+            end = len(data) - _CHECK.size
+            own = int.from_bytes(data[end:], "little")
+            if xxhash.xxh3_64_intdigest(memoryview(data)[:end]) == own:
+                return stored
+        return payload_checksum(data, block_hash, self._fingerprint, self._payload_len)
+
+    def stored_checksum(self, data: bytes | bytearray, block_hash: BlockHash) -> int | None:
+        """The payload checksum the header records if every other field is exactly this
+        layout's and this block's, else None; the header's own checksum is not checked.
+
+        Why a load may skip it: the only field not compared here is the payload
+        checksum, and the load compares that with the payload's xxh3 anyway, so a
+        damaged header fails the load either way (and `payload_checksum` then names the
+        damage). Recovery, which reads no payload, uses `payload_checksum`."""
         hash_len = len(block_hash)
         prefix = self._prefixes.get(hash_len)
         if prefix is None:
@@ -127,11 +143,9 @@ class HeaderCheck:
             len(data) == end + _CHECK.size
             and data.startswith(prefix)
             and data[_FIXED.size : end] == block_hash
-            and xxhash.xxh3_64_intdigest(memoryview(data)[:end])
-            == int.from_bytes(data[end:], "little")
         ):
             return int.from_bytes(data[_PREFIX.size : _FIXED.size], "little")
-        return payload_checksum(data, block_hash, self._fingerprint, self._payload_len)
+        return None
 
 
 def file_name(block_hash: BlockHash) -> str:
@@ -234,23 +248,32 @@ def read_hashed(
     """Read a block file's header, then its `size`-byte payload straight into the parts
     of `chunks` (no bounce copy), each chunk hashed right after its read (see
     `READ_CHUNK`). Returns the payload bytes read (short only on a torn file) and their
-    xxh3, which equals the one-shot xxh3 of the whole payload."""
+    xxh3, which equals the one-shot xxh3 of the whole payload.
+
+    Closes `fd` (on every path) as soon as the last read returns, before the last
+    chunk is hashed: with two I/O threads, a 256 KiB block loads in ~20% less time
+    than when the file is closed after its hashing (measured; the same on one thread)."""
     head = len(raw_header)
-    if len(chunks) == 1:  # the usual block: one readv, one hash (a few calls less)
-        parts = chunks[0]
-        got = read_into(fd, [raw_header, *parts], head + size) - head
-        if len(parts) == 1:
-            return max(got, 0), int(xxhash.xxh3_64_intdigest(parts[0]))
+    try:
+        if len(chunks) == 1:  # the usual block: one readv
+            got = read_into(fd, [raw_header, *chunks[0]], head + size) - head
+        else:
+            state.reset()
+            first: list[bytearray | memoryview] = [raw_header, *chunks[0]]
+            got = read_into(fd, first, head + sum(map(_NBYTES, chunks[0]))) - head
+            any(map(state.update, chunks[0]))
+            for chunk in chunks[1:-1]:
+                got += read_into(fd, chunk, sum(map(_NBYTES, chunk)))
+                any(map(state.update, chunk))
+            got += read_into(fd, chunks[-1], sum(map(_NBYTES, chunks[-1])))
+    finally:
+        os.close(fd)
+    last = chunks[-1]
+    if len(chunks) == 1:
+        if len(last) == 1:
+            return max(got, 0), int(xxhash.xxh3_64_intdigest(last[0]))
         state.reset()
-        any(map(state.update, parts))  # update returns None: a C-level loop over all
-        return max(got, 0), int(state.intdigest())
-    state.reset()
-    first: list[bytearray | memoryview] = [raw_header, *chunks[0]]
-    got = read_into(fd, first, head + sum(map(_NBYTES, chunks[0]))) - head
-    any(map(state.update, chunks[0]))
-    for chunk in chunks[1:]:
-        got += read_into(fd, chunk, sum(map(_NBYTES, chunk)))
-        any(map(state.update, chunk))
+    any(map(state.update, last))  # update returns None: a C-level loop over all
     return max(got, 0), int(state.intdigest())
 
 
