@@ -108,9 +108,13 @@ def test_capacity_is_bounded_in_bytes(tmp_path: Path) -> None:
     store.discard([int_block_hash(1), int_block_hash(99)])
     store.write([int_block_hash(3)], [payload(3)])
     assert store.stats().used_bytes <= store.capacity_bytes
-    # A smaller capacity at reopen keeps the newest blocks that fit.
+    # A smaller capacity at reopen keeps the newest blocks that fit (file times set
+    # apart explicitly: writes this close together can share a timestamp).
+    for age, i in enumerate((3, 0, 2)):  # block 2 newest, then 0; block 3 oldest
+        os.utime(store.directory / file_name(int_block_hash(i)), ns=(age, 10**9 * (age + 1)))
     smaller = open_store(tmp_path, blocks=2)
-    assert len(smaller.recovered) == 2 and smaller.stats().dropped_at_recovery == 1
+    assert smaller.recovered == [int_block_hash(0), int_block_hash(2)]  # oldest first
+    assert smaller.stats().dropped_at_recovery == 1 and int_block_hash(3) not in smaller
     with pytest.raises(ValueError, match="below one block"):
         DiskStore(tmp_path, LAYOUT, 100)
 

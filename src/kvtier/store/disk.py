@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import operator
 import os
@@ -43,9 +42,9 @@ import xxhash
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.disk import DiskOffloadingManager
 from kvtier.store.checksum import ChecksumError, segments_checksum
+from kvtier.store.diskdir import check_foreign, delete, open_directory, scan
 from kvtier.store.diskformat import (
     DIR_PREFIX,
-    LAYOUT_FILE,
     READ_CHUNK,
     SUFFIX,
     TMP_SUFFIX,
@@ -56,12 +55,11 @@ from kvtier.store.diskformat import (
     chunked,
     durable_write,
     file_name,
-    hash_of,
     read_hashed,
     sync_directory,
 )
 from kvtier.store.iothreads import IOThreads
-from kvtier.store.layout import KVLayout, LayoutMismatchError
+from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError
 from kvtier.types import BlockHash
 
@@ -127,8 +125,9 @@ class DiskStore:
         self._tmp_ids = itertools.count()
         self._dropped: list[BlockHash] = []
         self._checksum_failures = self._missing = self._dropped_at_recovery = 0
-        self._check_foreign(on_mismatch)
-        self._open_directory()
+        if on_mismatch == "error":
+            check_foreign(self.root, self.directory, layout)
+        open_directory(self.root, self.directory, layout, fsync)
         self.recovered: list[BlockHash] = self._recover()
 
     @property
@@ -144,80 +143,24 @@ class DiskStore:
         """The `capacity_bytes` that holds exactly `num_blocks` blocks of `layout`."""
         return num_blocks * (BlockHeader.size_for(32) + layout.bytes_per_block)
 
-    # --- opening and recovery ---------------------------------------------
-
-    def _check_foreign(self, on_mismatch: str) -> None:
-        if on_mismatch == "ignore" or not self.root.is_dir():
-            return
-        ours = self.directory.name
-        for entry in sorted(self.root.iterdir()):
-            if entry.name.startswith(DIR_PREFIX) and entry.name != ours and entry.is_dir():
-                try:
-                    theirs = json.loads((entry / LAYOUT_FILE).read_text())
-                except (OSError, ValueError):
-                    theirs = {"fingerprint": entry.name[len(DIR_PREFIX) :]}
-                raise LayoutMismatchError(
-                    f"{self.root} holds KV blocks of another layout ({theirs}) in {entry}; "
-                    f"this cache's layout is {self._layout.fingerprint} "
-                    f"({self._layout.describe()}). Use another directory, delete it, or "
-                    "open with on_mismatch='ignore' to leave it untouched"
-                )
-
-    def _open_directory(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        marker = self.directory / LAYOUT_FILE
-        description = {"fingerprint": self._layout.fingerprint, **self._layout.describe()}
-        if marker.exists():
-            found = json.loads(marker.read_text()).get("fingerprint", "")
-            self._layout.check_compatible(found, str(self.directory))
-            return
-        data = json.dumps(description, sort_keys=True).encode()
-        durable_write(str(marker), f"{marker}.{os.getpid()}{TMP_SUFFIX}", [data], self.fsync)
-        if self.fsync:
-            sync_directory(self.root)
+    # --- recovery -----------------------------------------------------------
 
     def _recover(self) -> list[BlockHash]:
-        """Index every complete block (oldest first); delete temp and invalid files."""
-        found: list[tuple[int, BlockHash, int]] = []
-        with os.scandir(self.directory) as entries:
-            for entry in entries:
-                if entry.name.endswith(TMP_SUFFIX):
-                    self._drop_file(entry.path)
-                    continue
-                block_hash = hash_of(entry.name)
-                if block_hash is None:
-                    continue
-                size = self._valid_size(entry.path, block_hash)
-                if size is None:
-                    self._drop_file(entry.path)
-                else:
-                    found.append((entry.stat().st_mtime_ns, block_hash, size))
-        found.sort()
-        for _, block_hash, size in found:
+        """Index every complete block, oldest first; delete temp and invalid files, and
+        over capacity (a smaller one than the directory was written with) the oldest
+        blocks: the newest are the likeliest to be hit again."""
+        found, self._dropped_at_recovery = scan(self.directory, self._header_check, self.file_bytes)
+        kept: list[tuple[BlockHash, int]] = []
+        for block_hash, size in reversed(found):
             if self._used + size > self.capacity_bytes:
-                self._drop_file(str(self.directory / file_name(block_hash)))
+                self._dropped_at_recovery += delete(self._path(block_hash))
                 continue
-            self._sizes[block_hash] = size
+            kept.append((block_hash, size))
             self._used += size
+        self._sizes.update(reversed(kept))
         if self.fsync:
             sync_directory(self.directory)
         return list(self._sizes)
-
-    def _drop_file(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        self._dropped_at_recovery += 1
-
-    def _valid_size(self, path: str, block_hash: BlockHash) -> int | None:
-        """The file's size if its header is intact and ours, else None (the loads' check)."""
-        try:
-            with open(path, "rb") as file:
-                raw_header = file.read(BlockHeader.size_for(len(block_hash)))
-                self._header_check.payload_checksum(raw_header, block_hash)
-                size = os.fstat(file.fileno()).st_size
-        except (OSError, FormatError):
-            return None
-        return size if size == self.file_bytes(block_hash) else None
 
     # --- writing ------------------------------------------------------------
 
