@@ -7,8 +7,8 @@
    between the same places, job by job and segment by segment, made by torch and numpy
    alternately: one contiguous copy per run of consecutive blocks, or for shuffled ids
    a torch `index_select` into the job's slots on a store and a numpy fancy-index
-   assignment on a load (the faster of the two libraries for each: numpy's gathers
-   and torch's scatter kernels run at a third to a half of these).
+   assignment on a load (the faster library for each: numpy's gathers run at 60-80%
+   of `index_select` here, torch's uint8 scatters at about a quarter of numpy's).
    Also reported: `*_ratio_vs_one_contiguous_copy`, against one torch or numpy copy of
    as many bytes between two flat buffers. The engine's per-layer layout cuts a job
    into one 16-32 KiB piece per block and segment, and with shuffled ids those pieces
@@ -16,8 +16,8 @@
    this machine (no streaming stores, a cold prefetcher per piece), so that column
    measures the layout as much as the tier.
 2. Disk tier: the same through a `DiskStore` (file per block, fsync, rename,
-   directory fsync, xxh3 at store and load; a job's blocks split over its 2 I/O
-   threads). Baseline (`*_ratio`, the target's: >= 70%), same run: plain sequential
+   directory fsync, xxh3 at store and load; a job's blocks spread over the store's 2
+   I/O threads). Baseline (`*_ratio`, the target's: >= 70%), same run: plain sequential
    writes of the same bytes, one file per block, each fdatasync'ed, one directory
    fsync per job of files (the same durability), then plain sequential reads of them
    into distinct rows of one buffer (as a load lands in distinct cache blocks). Also
@@ -146,11 +146,11 @@ class BaselineCopy:
 class PlainSameBytes:
     """The memory target's baseline: plain copies of the same bytes between the same
     places, job by job and segment by segment (the device rows of a job to its
-    consecutive slots on a store, back on a load), by torch and numpy alternately.
-    A run of consecutive device rows is one contiguous copy; shuffled rows are the
-    faster plain tool's: a torch `index_select` on a store, a numpy fancy-index
-    assignment on a load. The host side is a copy of the tier's buffer (same shape, same place
-    in the layout), so neither side's writes warm the other's cache."""
+    consecutive slots on a store, back on a load). A run of consecutive device rows is
+    one contiguous copy, by torch and numpy alternately; shuffled rows take the faster
+    library's: a torch `index_select` on a store, a numpy fancy-index assignment on a
+    load. The host side is a clone of the tier's buffer (same shape), so neither
+    side's writes warm the other's cache."""
 
     def __init__(
         self, kv: DeviceKV, host: MemoryStore, ids: np.ndarray, per_job: int, direction: str
@@ -175,7 +175,7 @@ class PlainSameBytes:
             if consecutive:
                 first, last = int(rows[0]), int(rows[-1]) + 1
                 self._runs(start, end, first, last, use_torch)
-            elif self.store:  # numpy's gathers (np.take, fancy index) run at a third of it
+            elif self.store:  # numpy's gathers (np.take, fancy index) run at 60-80% of it
                 for device, host in zip(self.device, self.host, strict=True):
                     torch.index_select(device, 0, index, out=host[start:end])
             else:

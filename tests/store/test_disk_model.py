@@ -63,6 +63,18 @@ class DiskStoreMachine(RuleBasedStateMachine):
             return
         assert bytes(buffer) == self.model[block_hash]
 
+    @rule(blocks=st.lists(ids, unique=True, min_size=2, max_size=4))
+    def read_many(self, blocks: list[int]) -> None:
+        """One job of several blocks (spread over the store's I/O threads)."""
+        hashes = [int_block_hash(i) for i in blocks]
+        buffers = [bytearray(LAYOUT.bytes_per_block) for _ in hashes]
+        try:
+            self.store.read(hashes, [memoryview(b) for b in buffers])
+        except BlockLoadError:
+            assert any(h not in self.model for h in hashes)
+            return
+        assert [bytes(b) for b in buffers] == [self.model[h] for h in hashes]
+
     @rule(blocks=st.lists(ids, max_size=3))
     def discard(self, blocks: list[int]) -> None:
         hashes = [int_block_hash(i) for i in blocks]

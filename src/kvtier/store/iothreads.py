@@ -5,12 +5,11 @@ Why threads help a file-per-block tier even under the GIL: `open`, `readv`, `wri
 is a small part of a block's time. One thread keeps a single request in flight and
 hashes on one core; two keep the device's queue (and both cores) busy.
 
-Why each thread takes the next block (a shared counter, no hand-off per block) rather
-than a fixed half of the job: on a shared machine one thread is now and then held up
-for milliseconds, and with fixed halves the job then waits for that thread's half.
-With a counter the other thread takes over the rest. (A thread per block, or a queue
-of blocks, would cost the GIL round trips that made a per-segment hashing thread
-slower than none.)
+Why each thread takes the next block rather than a fixed half of the job: on a shared
+machine one thread is now and then held up for milliseconds, and with fixed halves the
+job then waits for that thread's half; this way the other thread takes over the rest.
+The blocks are handed out by a shared `itertools.count`, whose `next()` is atomic
+under the GIL: no lock and no queue per block.
 
 The calling thread takes part itself, so a job never waits for a pool thread to be
 free just to start, and pool tasks never wait on the pool (no deadlock when a
