@@ -33,7 +33,7 @@ from kvtier.types import int_block_hash
 
 layout = KVLayout(num_layers=4, num_kv_heads=2, head_size=64, block_size=16, dtype="float16")
 root, first, capacity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-store = DiskStore(root, layout, capacity)
+store = DiskStore(root, layout, capacity, parallel_min_bytes=0)  # batches on 2 threads
 i = first
 while True:
     batch = list(range(i, i + 1 + i % 3))

@@ -4,6 +4,7 @@ failure accounting, and no read at all when a block of the job is missing."""
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,12 @@ def segments(data: bytearray) -> list[memoryview]:
     return [view[k : k + SEG] for k in range(0, len(data), SEG)]
 
 
-def open_store(root: Path, io_threads: int) -> DiskStore:
+def open_store(root: Path, io_threads: int, parallel_min_bytes: int = 0) -> DiskStore:
+    """Tiny blocks, so every job of two or more goes parallel unless told otherwise."""
     capacity = DiskStore.capacity_for(LAYOUT, 16)
-    return DiskStore(root, LAYOUT, capacity, io_threads=io_threads)
+    return DiskStore(
+        root, LAYOUT, capacity, io_threads=io_threads, parallel_min_bytes=parallel_min_bytes
+    )
 
 
 @pytest.mark.parametrize("io_threads", [1, 2, 3, 16])
@@ -115,6 +119,37 @@ def test_a_failed_block_write_keeps_the_completed_ones_and_releases_the_rest(
     assert [bytes(b) for b in buffers] == [payload(HASHES.index(h)) for h in kept]
 
 
-def test_io_threads_below_one_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("min_bytes", "parallel"),
+    [(0, True), (9 * LAYOUT.bytes_per_block, True), (9 * LAYOUT.bytes_per_block + 1, False)],
+)
+def test_only_jobs_of_parallel_min_bytes_use_a_second_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, min_bytes: int, parallel: bool
+) -> None:
+    store = open_store(tmp_path, io_threads=2, parallel_min_bytes=min_bytes)
+    store.write(HASHES, [payload(i) for i in range(len(HASHES))])
+    release = threading.Event()
+    threads: set[int] = set()
+    real = DiskStore._read_one
+
+    def read_one(self: DiskStore, *args: object) -> None:
+        threads.add(threading.get_ident())
+        if len(threads) == 2:
+            release.set()
+        elif parallel:  # hold the first thread until a second one has taken a block
+            release.wait(timeout=30)
+        real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DiskStore, "_read_one", read_one)
+    targets = [memoryview(bytearray(LAYOUT.bytes_per_block)) for _ in HASHES]
+    store.read(HASHES, targets)
+    store.close()
+    assert len(threads) == (2 if parallel else 1)
+    assert [bytes(t) for t in targets] == [payload(i) for i in range(len(HASHES))]
+
+
+def test_io_threads_below_one_and_negative_min_bytes_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="io_threads must be >= 1, got 0"):
         open_store(tmp_path, io_threads=0)
+    with pytest.raises(ValueError, match="parallel_min_bytes must be >= 0, got -1"):
+        open_store(tmp_path, io_threads=2, parallel_min_bytes=-1)

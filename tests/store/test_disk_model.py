@@ -31,7 +31,8 @@ class DiskStoreMachine(RuleBasedStateMachine):
         self.version = 0
 
     def _open(self) -> DiskStore:
-        return DiskStore(self.root, LAYOUT, DiskStore.capacity_for(LAYOUT, CAPACITY_BLOCKS))
+        capacity = DiskStore.capacity_for(LAYOUT, CAPACITY_BLOCKS)
+        return DiskStore(self.root, LAYOUT, capacity, parallel_min_bytes=0)  # jobs in parallel
 
     def teardown(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

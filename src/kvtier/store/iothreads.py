@@ -35,12 +35,13 @@ class IOThreads:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def for_each(self, count: int, work: Callable[[int], None]) -> None:
-        """Call `work(i)` once for each `i` in `range(count)`, on up to `threads` threads,
+    def for_each(self, count: int, work: Callable[[int], None], *, alone: bool = False) -> None:
+        """Call `work(i)` once for each `i` in `range(count)`, on up to `threads` threads
+        (only the calling one if `alone`: for jobs too small to repay waking a helper),
         and return once all calls have. After a call raises, blocks not yet taken are
         skipped; the exception (the caller thread's, else the first helper's) is raised
         once every thread has stopped."""
-        helpers = min(self.threads, count) - 1
+        helpers = 0 if alone else min(self.threads, count) - 1
         if helpers <= 0:
             for index in range(count):
                 work(index)
