@@ -242,6 +242,15 @@ def bench_memory(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def settle(*runs: Callable[[], object]) -> None:
+    """Before timing reads: flush what the stores left for writeback (its kernel
+    threads would otherwise take a core from two-thread loads for a while, and not
+    from a one-thread baseline), and run each side once untimed."""
+    os.sync()
+    for run in runs:
+        run()
+
+
 class PlainFiles:
     """Plain durable writes (file per block, fdatasync, a directory fsync per job of
     files) and plain reads of the same bytes: the disk tier's baseline."""
@@ -343,6 +352,7 @@ def bench_disk(quick: bool, root: Path) -> list[dict[str, Any]]:
                 store_job = functools.partial(run_jobs, worker, "store", ids, specs)
                 load_job = functools.partial(run_jobs, worker, "load", ids, specs)
                 store_s, write_s, store_paired = compare(store_job, plain.write, repeats)
+                settle(load_job, plain.read)
                 load_s, read_s, load_paired = compare(load_job, plain.read, 2 * repeats)
                 if per_layer:  # the same bytes into the same scattered destination
                     into = functools.partial(plain.read_into, filled_kv(layout, num_blocks))
