@@ -267,20 +267,13 @@ class PlainFiles:
 
     def write(self) -> None:
         dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        for i, (name, data) in enumerate(zip(self.names, self.blocks, strict=True)):
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.write(fd, data)
-            os.fdatasync(fd)
-            os.close(fd)
-            if i % self.per_job == self.per_job - 1:
-                os.fsync(dir_fd)
-        os.fsync(dir_fd)
+        for (files,) in self._job_shards(1):
+            self._write_files(files)
+            os.fsync(dir_fd)
         os.close(dir_fd)
 
     def read(self) -> None:
-        for name, row in zip(self.names, self.rows, strict=True):
-            with open(name, "rb", buffering=0) as file:
-                file.readinto(row)
+        self._read_files(range(len(self.names)))
 
     def write_on(self, pool: ThreadPoolExecutor, threads: int) -> None:
         """`write` with each job's files split over `threads` threads."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import operator
 import os
 import threading
 from collections.abc import Sequence
@@ -45,7 +44,7 @@ from kvtier.store.checksum import ChecksumError, segments_checksum
 from kvtier.store.diskdir import check_foreign, delete, open_directory, scan
 from kvtier.store.diskformat import (
     DIR_PREFIX,
-    READ_CHUNK,
+    NBYTES,
     SUFFIX,
     TMP_SUFFIX,
     BlockHeader,
@@ -72,7 +71,6 @@ _FIXED_HEADER = BlockHeader.size_for(0)  # plus the hash's length
 # microseconds, about what reading and hashing this many bytes takes. With tiny blocks
 # (the replay's `--data` layout, 256 bytes), a helper per job made a replay ~6% slower.
 PARALLEL_MIN_BYTES = 256 << 10
-_NBYTES = operator.attrgetter("nbytes")
 
 
 @dataclass(frozen=True)
@@ -115,7 +113,6 @@ class DiskStore:
         self.capacity_blocks = capacity_bytes // self.block_file_bytes
         self.fsync = fsync
         self._io = IOThreads(io_threads, "kvtier-disk-io")
-        self.io_threads = io_threads
         if parallel_min_bytes < 0:
             raise ValueError(f"parallel_min_bytes must be >= 0, got {parallel_min_bytes}")
         self._parallel_min_bytes = parallel_min_bytes
@@ -125,7 +122,6 @@ class DiskStore:
         self._size = layout.bytes_per_block
         self._header_check = HeaderCheck(layout.fingerprint_bytes, self._size)
         self._group = chunk_group(layout.segment_bytes)
-        self._one_read = self._size <= READ_CHUNK  # one readv, then one pass of hashing
         self._lock = threading.Lock()
         self._local = threading.local()  # each reading thread's reusable xxh3 state
         self._sizes: dict[BlockHash, int] = {}
@@ -141,6 +137,10 @@ class DiskStore:
     @property
     def layout(self) -> KVLayout:
         return self._layout
+
+    @property
+    def io_threads(self) -> int:
+        return self._io.threads
 
     def file_bytes(self, block_hash: BlockHash) -> int:
         """Size of the file holding one block (header + payload)."""
@@ -271,7 +271,7 @@ class DiskStore:
     ) -> None:
         """Check block `index`'s buffers, then read it (on whichever I/O thread took it)."""
         parts = blocks[index]
-        if sum(map(_NBYTES, parts)) != self._size:
+        if sum(map(NBYTES, parts)) != self._size:
             raise ValueError(
                 f"buffers of {[p.nbytes for p in parts]} bytes, layout needs {self._size}"
             )
@@ -297,13 +297,13 @@ class DiskStore:
             raise self._missing_error(block_hash) from None
         raw_header = bytearray(_FIXED_HEADER + len(block_hash))
         size = self._size
-        chunks = (parts,) if self._one_read else chunked(parts, self._group)
+        chunks = chunked(parts, self._group)
         got, checksum = read_hashed(fd, raw_header, chunks, size, state)  # closes fd
         if got == size and checksum == self._header_check.stored_checksum(raw_header, block_hash):
             return
         try:  # name the damage
             if got != size:
-                raise FormatError(f"torn block file ({max(got, 0)} of {size} payload bytes)")
+                raise FormatError(f"torn block file ({got} of {size} payload bytes)")
             if checksum != self._header_check.payload_checksum(raw_header, block_hash):
                 raise ChecksumError(f"checksum mismatch for block {block_hash.hex()}")
         except ValueError as exc:  # FormatError, ChecksumError

@@ -37,7 +37,7 @@ _FIXED = struct.Struct("<4sHH16sQQ")
 _CHECK = struct.Struct("<Q")
 _PREFIX = struct.Struct("<4sHH16sQ")  # _FIXED up to, not including, the payload xxh3
 _IOV_MAX = 1024  # POSIX minimum is 16, Linux allows 1024
-_NBYTES = operator.attrgetter("nbytes")
+NBYTES = operator.attrgetter("nbytes")  # a buffer's size, as a C-level key for map()
 
 # Loads read and hash this much at a time, so the checksum reads each piece right after
 # the kernel wrote it, while it is in this core's cache (xxh3 runs at ~14 GB/s there,
@@ -260,12 +260,12 @@ def read_hashed(
         else:
             state.reset()
             first: list[bytearray | memoryview] = [raw_header, *chunks[0]]
-            got = read_into(fd, first, head + sum(map(_NBYTES, chunks[0]))) - head
+            got = read_into(fd, first, head + sum(map(NBYTES, chunks[0]))) - head
             any(map(state.update, chunks[0]))
             for chunk in chunks[1:-1]:
-                got += read_into(fd, chunk, sum(map(_NBYTES, chunk)))
+                got += read_into(fd, chunk, sum(map(NBYTES, chunk)))
                 any(map(state.update, chunk))
-            got += read_into(fd, chunks[-1], sum(map(_NBYTES, chunks[-1])))
+            got += read_into(fd, chunks[-1], sum(map(NBYTES, chunks[-1])))
     finally:
         os.close(fd)
     last = chunks[-1]

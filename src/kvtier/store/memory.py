@@ -22,7 +22,7 @@ verified before it is read; a mismatch fails the load and is counted.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, overload
 
 import numpy as np
@@ -83,13 +83,8 @@ class MemoryStore:
 
     def slot_parts(self, slots: Sequence[int] | npt.NDArray[np.int64]) -> list[list[memoryview]]:
         """Each slot's bytes as its segments in layout order (writable views, no copy)."""
-        size = self._layout.segment_bytes
-        flat = self._flat
-        parts = []
-        for slot in np.asarray(slots, dtype=np.int64).tolist():
-            piece = slice(slot * size, (slot + 1) * size)
-            parts.append([plane[piece] for plane in flat])
-        return parts
+        ids = np.asarray(slots, dtype=np.int64).tolist()
+        return block_segments(self._flat, self._layout.segment_bytes, ids)
 
     def slot_ids(self, spec: LoadStoreSpec) -> npt.NDArray[np.int64]:
         """The spec's slot ids, validated against the buffer."""
@@ -152,6 +147,19 @@ class MemoryStore:
             if memoryview(block).nbytes != size:
                 raise ValueError(f"block of {memoryview(block).nbytes} bytes, layout needs {size}")
         return slots
+
+
+def block_segments(
+    planes: Sequence[memoryview], segment_bytes: int, ids: Iterable[int]
+) -> list[list[memoryview]]:
+    """Block `i`'s segments, for each `i` in `ids`: row `i` of every flat byte plane, in
+    layout order (views, no copy). Slicing a flat `memoryview` costs about 0.1 us, where
+    a numpy row's buffer export costs microseconds, paid per block and segment."""
+    views = []
+    for i in ids:
+        piece = slice(i * segment_bytes, (i + 1) * segment_bytes)  # one slice object for
+        views.append([plane[piece] for plane in planes])  # all segments: a third cheaper
+    return views
 
 
 class SlotRows:

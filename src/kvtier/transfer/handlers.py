@@ -23,7 +23,7 @@ import torch
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.mediums import BlockIDsLoadStoreSpec
 from kvtier.store.layout import KVLayout
-from kvtier.store.memory import MemoryStore
+from kvtier.store.memory import MemoryStore, block_segments
 from kvtier.store.protocol import BlockStore
 from kvtier.transfer.device import (
     DeviceKV,
@@ -197,12 +197,7 @@ class StagedHandler:
         return [rows[i * size : (i + 1) * size] for i in device_ids.tolist()]
 
     def _segment_views(self, device_ids: npt.NDArray[np.int64]) -> list[list[memoryview]]:
-        flat, size = self._flat, self._seg_bytes
-        views = []
-        for i in device_ids.tolist():
-            piece = slice(i * size, (i + 1) * size)  # one slice object for all segments:
-            views.append([f[piece] for f in flat])  # a third cheaper, paid per block
-        return views
+        return block_segments(self._flat, self._seg_bytes, device_ids.tolist())
 
     def _stage(self, direction: str, num_blocks: int) -> _Staging:
         """This direction's staging rows, grown (never shrunk) to fit the job."""
