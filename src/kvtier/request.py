@@ -27,8 +27,8 @@ from kvtier.types import BlockHash
 class Request:
     """One sequence: prompt, appended output tokens, options and cached block hashes.
 
-    `num_computed_tokens` is the scheduler's progress counter; `KVCacheManager`
-    advances it when it allocates slots and resets it on preemption.
+    `num_computed_tokens` is the scheduler's progress counter: `KVCacheManager` reads
+    it and never advances it (as in vLLM); only `KVCacheManager.preempt` resets it.
     """
 
     __slots__ = (

@@ -12,7 +12,7 @@ import pytest
 from kvtier import Request
 from kvtier.gpu import BlockStored
 from kvtier.hashing import hash_request_blocks
-from tests.gpu.helpers import make, snapshot
+from tests.gpu.helpers import allocate, make, snapshot
 
 
 def _hashes(request: Request, m):  # type: ignore[no-untyped-def]
@@ -22,7 +22,7 @@ def _hashes(request: Request, m):  # type: ignore[no-untyped-def]
 def test_delayed_blocks_are_not_hits_until_cached() -> None:
     m = make()
     a = Request("a", list(range(14)))  # 3 full blocks and a partial one
-    assert m.allocate_slots(a, 14, delay_cache_blocks=True) is not None
+    assert allocate(m, a, 14, delay_cache_blocks=True) is not None
     assert a.num_computed_tokens == 14  # the slots are allocated as usual
     assert m.get_num_cached_blocks("a") == 0 and m.take_events() == []
     assert not any(m.is_cached(h) for h in _hashes(a, m))
@@ -52,13 +52,13 @@ def test_delayed_blocks_are_not_hits_until_cached() -> None:
 def test_delay_keeps_the_accelerator_hit_and_caches_after_it() -> None:
     m = make()
     a = Request("a", list(range(9)))
-    m.allocate_slots(a, 9)
+    allocate(m, a, 9)
     m.free(a)
     b = Request("b", [*range(8), 50, 51, 52, 53, 54])
     blocks, hit = m.get_computed_blocks(b)
     assert hit == 8
     m.take_events()
-    m.allocate_slots(b, b.num_tokens - hit, blocks, delay_cache_blocks=True)
+    allocate(m, b, b.num_tokens - hit, blocks, delay_cache_blocks=True)
     assert m.get_num_cached_blocks("b") == 2 and m.take_events() == []
     third = hash_request_blocks(b.all_token_ids, 4)[2]
     assert not m.is_cached(third)
@@ -69,7 +69,7 @@ def test_delay_keeps_the_accelerator_hit_and_caches_after_it() -> None:
 def test_default_caches_at_allocation_as_before() -> None:
     m = make()
     a = Request("a", list(range(14)))
-    m.allocate_slots(a, 14)
+    allocate(m, a, 14)
     assert m.get_num_cached_blocks("a") == 3
     assert all(m.is_cached(h) for h in _hashes(a, m))
 
@@ -79,7 +79,7 @@ def test_cache_blocks_errors_leave_state_unchanged() -> None:
     with pytest.raises(KeyError, match="holds no blocks"):
         m.cache_blocks(Request("ghost", list(range(8))), 4)
     a = Request("a", list(range(14)))
-    m.allocate_slots(a, 14, delay_cache_blocks=True)
+    allocate(m, a, 14, delay_cache_blocks=True)
     before = snapshot(m, ["a"])
     with pytest.raises(ValueError, match="slots for 14 tokens"):
         m.cache_blocks(a, 15)
@@ -98,5 +98,5 @@ def test_delay_refused_with_a_sliding_window() -> None:
     a = Request("a", list(range(14)))
     before = snapshot(m, ["a"])
     with pytest.raises(ValueError, match="sliding window"):
-        m.allocate_slots(a, 14, delay_cache_blocks=True)
+        allocate(m, a, 14, delay_cache_blocks=True)
     assert snapshot(m, ["a"]) == before and a.num_computed_tokens == 0

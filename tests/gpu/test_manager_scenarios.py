@@ -7,12 +7,12 @@ import pytest
 from kvtier import Request
 from kvtier.gpu import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.hashing import hash_request_blocks
-from tests.gpu.helpers import make, snapshot
+from tests.gpu.helpers import allocate, append, make, snapshot
 
 
 def run_prefill(manager, request):  # type: ignore[no-untyped-def]
     blocks, num_computed = manager.get_computed_blocks(request)
-    new = manager.allocate_slots(request, request.num_tokens - num_computed, blocks)
+    new = allocate(manager, request, request.num_tokens - num_computed, blocks)
     return blocks, num_computed, new
 
 
@@ -74,7 +74,7 @@ def test_only_reference_count_zero_blocks_are_evicted() -> None:
     removed = {e.block_hashes[0] for e in m.take_events() if isinstance(e, BlockRemoved)}
     assert removed == set(done.block_hashes)
     assert all(m.is_cached(h) for h in running.block_hashes)
-    assert m.allocate_slots(Request("more", [1] * 4), 4) is None  # nothing free left
+    assert allocate(m, Request("more", [1] * 4), 4) is None  # nothing free left
 
 
 def test_failed_allocation_changes_nothing() -> None:
@@ -87,12 +87,12 @@ def test_failed_allocation_changes_nothing() -> None:
     blocks, hit = m.get_computed_blocks(b)
     assert hit == 8
     before = snapshot(m, ["a", "b"])
-    assert m.allocate_slots(b, b.num_tokens - hit, blocks) is None
+    assert allocate(m, b, b.num_tokens - hit, blocks) is None
     assert snapshot(m, ["a", "b"]) == before
     assert m.take_events() == [] and b.num_computed_tokens == 0
     fits = Request("c", [*range(8), *[5] * 7])  # needs 2 new: exactly the 2 others
     blocks, hit = m.get_computed_blocks(fits)
-    assert m.allocate_slots(fits, fits.num_tokens - hit, blocks) is not None
+    assert allocate(m, fits, fits.num_tokens - hit, blocks) is not None
     assert m.num_free_blocks == 0
 
 
@@ -102,7 +102,7 @@ def test_append_failure_changes_nothing() -> None:
     run_prefill(m, a)
     a.append_output_token_ids(1)
     before = snapshot(m, ["a"])
-    assert m.append_slots(a, 1) is None
+    assert append(m, a, 1) is None
     assert snapshot(m, ["a"]) == before and a.num_computed_tokens == 8
 
 
@@ -111,7 +111,7 @@ def test_events_in_order() -> None:
     a = Request("a", [1, 2, 3, 4, 5], lora_name="ad")
     run_prefill(m, a)
     a.append_output_token_ids(6)
-    m.append_slots(a, 1)  # block 2 becomes full
+    append(m, a, 1)  # block 2 becomes full
     h = list(a.block_hashes)
     m.free(a)
     x = Request("x", [7, 7, 7])
@@ -146,28 +146,28 @@ def test_preempted_request_hits_its_own_cache() -> None:
     a = Request("a", list(range(10)))
     run_prefill(m, a)
     a.append_output_token_ids([10, 11])
-    m.append_slots(a, 2)
+    append(m, a, 2)
     m.preempt(a)
     assert a.num_computed_tokens == 0 and a.num_preemptions == 1
     assert not m.has_request("a") and m.num_free_blocks == 10
     blocks, hit = m.get_computed_blocks(a)
     assert hit == 8  # 12 tokens, 3 full blocks cached, capped to 11 tokens
-    assert m.allocate_slots(a, a.num_tokens - hit, blocks) is not None
+    assert allocate(m, a, a.num_tokens - hit, blocks) is not None
     assert m.prefix_cache_stats.preempted_requests == 1
 
 
 def test_preallocation_and_decode_without_new_blocks() -> None:
     m = make(num_preallocate_tokens=8)
     a = Request("a", list(range(5)))
-    new = m.allocate_slots(a, 5)
+    new = allocate(m, a, 5)
     assert new is not None and len(new) == 2 + 2
     for token in range(11):
         a.append_output_token_ids(token)
-        assert m.append_slots(a, 1) == []
+        assert append(m, a, 1) == []
     a.append_output_token_ids(0)
-    assert len(m.append_slots(a, 1) or []) == 3  # 1 needed + 2 preallocated
+    assert len(append(m, a, 1) or []) == 3  # 1 needed + 2 preallocated
     capped = make(num_preallocate_tokens=64, max_model_len=12)
-    assert len(capped.allocate_slots(Request("c", [1] * 5), 5) or []) == 3
+    assert len(allocate(capped, Request("c", [1] * 5), 5) or []) == 3
 
 
 def test_hash_built_requests_behave_like_token_requests() -> None:
@@ -195,19 +195,19 @@ def test_hash_built_request_output_blocks_get_no_hash() -> None:
     r = Request.from_block_hashes("t", hash_request_blocks(range(6), 4), 6, block_size=4)
     run_prefill(m, r)
     r.append_output_token_ids([1, 2, 3])
-    m.append_slots(r, 3)
+    append(m, r, 3)
     assert r.num_computed_tokens == 9 and m.get_num_cached_blocks("t") == 1
 
 
 def test_duplicate_blocks_are_kept_and_found_in_caching_order() -> None:
     m = make(num_blocks=4)
     a, b = Request("a", list(range(8))), Request("b", list(range(8)))
-    m.allocate_slots(a, 8)
-    m.allocate_slots(b, 8)  # no prefix reuse asked: identical blocks, not de-duplicated
+    allocate(m, a, 8)
+    allocate(m, b, 8)  # no prefix reuse asked: identical blocks, not de-duplicated
     assert m.get_block_ids("b") == [2, 3]
     assert m.block_pool.get_cached_block(a.block_hashes[0]).block_id == 0  # type: ignore[union-attr]
     m.free(a)
-    m.allocate_slots(Request("x", [5] * 8), 8)  # evicts a's copies, b's stay
+    allocate(m, Request("x", [5] * 8), 8)  # evicts a's copies, b's stay
     blocks, hit = m.get_computed_blocks(Request("c", list(range(9))))
     assert [x.block_id for x in blocks] == [2, 3] and hit == 8
 
@@ -253,13 +253,13 @@ class TestBadInput:
         a = Request("a", list(range(8)))
         for bad in (0, -3):
             with pytest.raises(ValueError, match="num_tokens must be an int >= 1"):
-                m.allocate_slots(a, bad)
-        m.allocate_slots(a, 8)
+                allocate(m, a, bad)
+        allocate(m, a, 8)
         before = snapshot(m, ["a"])
         with pytest.raises(ValueError, match="num_tokens"):
-            m.append_slots(a, 0)
+            append(m, a, 0)
         with pytest.raises(ValueError, match="append its tokens first"):
-            m.append_slots(a, 1)
+            append(m, a, 1)
         assert snapshot(m, ["a"]) == before and a.num_computed_tokens == 8
 
     def test_longer_than_max_model_len(self) -> None:
@@ -268,25 +268,25 @@ class TestBadInput:
         too_long = Request("a", list(range(11)))
         for chunk in (11, 4):  # even a first chunk: the request can never finish
             with pytest.raises(ValueError, match="max_model_len=10"):
-                m.allocate_slots(too_long, chunk)
+                allocate(m, too_long, chunk)
         assert snapshot(m, []) == before
         a = Request("a", list(range(10)))
-        m.allocate_slots(a, 10)
+        allocate(m, a, 10)
         a.append_output_token_ids(1)
         with pytest.raises(ValueError, match="max_model_len"):
-            m.append_slots(a, 1)
+            append(m, a, 1)
 
     def test_unknown_request_and_double_free(self) -> None:
         m = make()
         a = Request("a", list(range(8)))
-        for call in (m.free, lambda r: m.append_slots(r, 1), m.preempt):
+        for call in (m.free, lambda r: append(m, r, 1), m.preempt):
             with pytest.raises(KeyError, match="never allocated, or already freed"):
                 call(a)
         with pytest.raises(KeyError):
             m.get_num_common_prefix_blocks(a, 1)
-        m.allocate_slots(a, 8)
+        allocate(m, a, 8)
         with pytest.raises(ValueError, match="already has blocks"):
-            m.allocate_slots(a, 8)
+            allocate(m, a, 8)
         m.free(a)
         before = snapshot(m, ["a"])
         with pytest.raises(KeyError, match="already freed"):
@@ -296,14 +296,14 @@ class TestBadInput:
     def test_stale_computed_blocks(self) -> None:
         m = make(num_blocks=3)
         a = Request("a", list(range(8)))
-        m.allocate_slots(a, 8)
+        allocate(m, a, 8)
         m.free(a)
         b = Request("b", list(range(9)))
         blocks, _ = m.get_computed_blocks(b)
-        m.allocate_slots(Request("x", [1] * 12), 12)  # evicts a's blocks
+        allocate(m, Request("x", [1] * 12), 12)  # evicts a's blocks
         before = snapshot(m, ["b", "x"])
         with pytest.raises(ValueError, match="does not hold request 'b'"):
-            m.allocate_slots(b, 1, blocks)
+            allocate(m, b, 1, blocks)
         assert snapshot(m, ["b", "x"]) == before
 
     @pytest.mark.parametrize(

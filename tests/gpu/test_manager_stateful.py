@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 from kvtier import KVCacheManager, Request
 from kvtier.gpu import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.hashing import hash_request_blocks
-from tests.gpu.helpers import snapshot
+from tests.gpu.helpers import allocate, append, snapshot
 
 BLOCK_SIZE = 2
 MAX_MODEL_LEN = 14
@@ -92,7 +92,7 @@ class ManagerMachine(RuleBasedStateMachine):
         blocks, hit = self.manager.get_computed_blocks(request)
         self.check_hit(request, blocks, hit)
         before = snapshot(self.manager, self.ids())
-        new = self.manager.allocate_slots(request, request.num_tokens - hit, blocks)
+        new = allocate(self.manager, request, request.num_tokens - hit, blocks)
         if new is None:
             assert snapshot(self.manager, self.ids()) == before
             return
@@ -109,7 +109,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         computed = request.num_computed_tokens
         before = snapshot(self.manager, self.ids())
-        new = self.manager.append_slots(request, request.num_tokens - computed)
+        new = append(self.manager, request, request.num_tokens - computed)
         if new is None:
             assert snapshot(self.manager, self.ids()) == before
             assert request.num_computed_tokens == computed

@@ -6,7 +6,7 @@ from kvtier import Request
 from kvtier.gpu.block import KVCacheBlock
 from kvtier.gpu.sliding_window import find_sliding_window_hit, num_window_blocks
 from kvtier.types import BlockHash, int_block_hash
-from tests.gpu.helpers import make, snapshot
+from tests.gpu.helpers import allocate, append, make, snapshot
 
 NULL = 0  # the placeholder block id
 
@@ -37,14 +37,14 @@ def test_hit_search_right_to_left() -> None:
 def _decode(manager, request, steps: int) -> None:  # type: ignore[no-untyped-def]
     for _ in range(steps):
         request.append_output_token_ids(1)
-        assert manager.append_slots(request, 1) is not None
+        assert append(manager, request, 1) is not None
 
 
 def test_blocks_outside_the_window_are_released_during_decode() -> None:
     m = make(num_blocks=10, sliding_window=8)
     assert m.num_free_blocks == 9  # block 0 is the placeholder
     a = Request("a", list(range(8)))
-    m.allocate_slots(a, 8)
+    allocate(m, a, 8)
     assert m.get_block_ids("a") == [1, 2]
     _decode(m, a, 3)  # 11 computed
     assert m.get_block_ids("a") == [1, 2, 3]
@@ -63,12 +63,12 @@ def test_blocks_outside_the_window_are_released_during_decode() -> None:
 def test_hit_needs_only_the_last_window() -> None:
     m = make(num_blocks=10, sliding_window=8)
     a = Request("a", list(range(8)))
-    m.allocate_slots(a, 8)
+    allocate(m, a, 8)
     _decode(m, a, 5)  # table [null, 2, 3, 4]; block 1 released but still cached
     b = Request("b", [*a.all_token_ids[:12], 99])
     blocks, hit = m.get_computed_blocks(b)
     assert [x.block_id for x in blocks] == [NULL, 2, 3] and hit == 12
-    assert m.allocate_slots(b, 1, blocks) is not None
+    assert allocate(m, b, 1, blocks) is not None
     assert m.get_block_ids("b") == [NULL, 2, 3, 5]
     assert [m.block_pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [0, 2, 2]
 
@@ -76,24 +76,24 @@ def test_hit_needs_only_the_last_window() -> None:
 def test_released_blocks_count_as_room_and_failure_releases_nothing() -> None:
     m = make(num_blocks=4, sliding_window=4)
     a = Request("a", list(range(12)))
-    m.allocate_slots(a, 12)  # blocks 1, 2, 3: the pool is full
+    allocate(m, a, 12)  # blocks 1, 2, 3: the pool is full
     a.append_output_token_ids(1)
     assert m.num_free_blocks == 0
-    new = m.append_slots(a, 1)  # needs 1 block; blocks 1 and 2 leave the window
+    new = append(m, a, 1)  # needs 1 block; blocks 1 and 2 leave the window
     assert new is not None and m.get_block_ids("a") == [NULL, NULL, 3, new[0].block_id]
     removed = [e for e in m.take_events() if type(e).__name__ == "BlockRemoved"]
     assert len(removed) == 1
 
     tight = make(num_blocks=5, sliding_window=8)
     b = Request("b", list(range(12)))
-    tight.allocate_slots(b, 12)
+    allocate(tight, b, 12)
     shared = Request("c", list(range(9)))
     blocks, _ = tight.get_computed_blocks(shared)
-    assert tight.allocate_slots(shared, 1, blocks) is not None  # shares b's first blocks
+    assert allocate(tight, shared, 1, blocks) is not None  # shares b's first blocks
     assert tight.num_free_blocks == 0
     b.append_output_token_ids(1)
     before = snapshot(tight, ["b", "c"])
-    assert tight.append_slots(b, 1) is None
+    assert append(tight, b, 1) is None
     assert snapshot(tight, ["b", "c"]) == before
 
 
@@ -101,7 +101,7 @@ def test_hash_ids_are_opaque() -> None:
     m = make(num_blocks=6, sliding_window=5, block_size=2)
     hashes: list[BlockHash] = [int_block_hash(i) for i in range(3)]
     r = Request.from_block_hashes("t", hashes, 7, block_size=2)
-    m.allocate_slots(r, 7)
+    allocate(m, r, 7)
     again = Request.from_block_hashes("u", hashes, 7, block_size=2)
     blocks, hit = m.get_computed_blocks(again)
     assert hit == 6 and [b.block_id for b in blocks] == [NULL, 2, 3]

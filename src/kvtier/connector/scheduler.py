@@ -6,7 +6,9 @@ life, mirroring vLLM's offloading connector (scheduler half):
 1. `admit(request)` when the scheduler wants to start it: the accelerator prefix
    hit (`get_computed_blocks`), then the offload tier continues that prefix
    (`lookup`, capped so the last prompt token is always computed), then slots are
-   allocated for everything past the accelerator hit. The offloaded blocks are
+   allocated for everything past the accelerator hit, and the request's
+   `num_computed_tokens` is advanced to the whole prompt (the connector plays the
+   scheduler, which owns that counter). The offloaded blocks are
    pinned (`prepare_load`) and returned as a load job aimed at their new slots.
    None means "no room now" and nothing changed (beyond lookup statistics).
 2. `computed(request)` once its prefill ran: the newly computed full blocks are
@@ -144,6 +146,7 @@ class OffloadConnector:
         if self.gpu.allocate_slots(request, num_new, blocks, delay_cache_blocks=ext > 0) is None:
             self.counters.refused += 1
             return None
+        request.num_computed_tokens = before + gpu_tokens + num_new  # the scheduler's part
         load = None
         if ext:
             load = self._plan_load(request, list(hashes[start : start + ext]), start, before)

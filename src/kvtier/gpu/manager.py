@@ -6,10 +6,14 @@ The scheduler loop per request:
 3. `append_slots(request, num_tokens)` for every later step (decode or prefill chunk);
 4. `free(request)` when it finishes, or `preempt(request)` to make room.
 
-The manager also plays the scheduler's part of advancing `request.num_computed_tokens`
-by the tokens it allocated slots for (vLLM's scheduler does that right after the call),
-so a caller cannot forget it. Decisions follow SEMANTICS.md section 2; a rejected call
-raises (bad input) or returns None (no room) and leaves every block as it was.
+The scheduler owns `request.num_computed_tokens`, as in vLLM: the manager reads it
+(the tokens already in the request's blocks) and never writes it, except `preempt`,
+which plays the scheduler's part of starting the request over. So after a successful
+`allocate_slots(request, n, computed_blocks)` the caller sets it to
+`len(computed_blocks) * block_size + n` (plus what it held before), and after
+`append_slots(request, n)` advances it by `n`. Decisions follow SEMANTICS.md
+section 2; a rejected call raises (bad input) or returns None (no room) and leaves
+every block as it was.
 """
 
 from __future__ import annotations
@@ -144,7 +148,9 @@ class KVCacheManager:
             )
         blocks = list(computed_blocks) if computed_blocks else []
         num_computed = len(blocks)
-        num_computed_tokens = num_computed * self.block_size + num_tokens
+        num_computed_tokens = (
+            request.num_computed_tokens + num_computed * self.block_size + num_tokens
+        )
         self._check_length(request, num_computed_tokens)
         num_reused_free = self._check_computed_blocks(request, blocks)
         pool = self.block_pool
@@ -162,7 +168,6 @@ class KVCacheManager:
         new_blocks = pool.get_new_blocks(num_new)
         blocks += new_blocks
         self._req_blocks[request_id] = blocks
-        request.num_computed_tokens = num_computed_tokens
         self._num_cached_blocks[request_id] = num_computed
         if not delay_cache_blocks:
             self._cache_full_blocks(request, blocks, num_computed_tokens // self.block_size)
@@ -216,7 +221,6 @@ class KVCacheManager:
             )
             new_blocks = pool.get_new_blocks(num_new)
             blocks.extend(new_blocks)
-        request.num_computed_tokens = num_computed_tokens
         self._cache_full_blocks(request, blocks, num_computed_tokens // self.block_size)
         return new_blocks
 

@@ -1,0 +1,40 @@
+"""Where a scheduler written for vLLM's seed `KVCacheManager` would break on kvtier.
+
+Each test pins a decision of docs/SEMANTICS.md ("The accelerator-side manager").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier import Request
+from tests.gpu.helpers import make, snapshot
+
+
+def test_the_scheduler_owns_num_computed_tokens() -> None:
+    m = make()
+    a = Request("a", list(range(10)))
+    assert m.allocate_slots(a, 10) is not None
+    assert a.num_computed_tokens == 0  # the manager only reads it
+    a.num_computed_tokens = 10  # the scheduler's part, after the step
+    a.append_output_token_ids([10, 11, 12])
+    assert m.append_slots(a, 3) == [m.block_pool.blocks[3]]  # tokens 10..12: a 4th block
+    assert a.num_computed_tokens == 10
+    a.num_computed_tokens = 13
+    blocks, hit = m.get_computed_blocks(b := Request("b", list(range(13))))
+    assert hit == 12  # the blocks the manager cached from the scheduler's count
+    assert m.allocate_slots(b, 1, blocks) is not None and b.num_computed_tokens == 0
+
+
+def test_allocate_counts_what_the_scheduler_already_computed() -> None:
+    # the seed's formula: request.num_computed_tokens + hit blocks + new tokens
+    m = make()
+    a = Request("a", list(range(12)))
+    a.num_computed_tokens = 4
+    assert len(m.allocate_slots(a, 8) or []) == 3
+    before = snapshot(m, ["a"])
+    b = Request("b", list(range(12)))
+    b.num_computed_tokens = 8
+    with pytest.raises(ValueError, match="slots for 16 asked"):
+        m.allocate_slots(b, 8)
+    assert snapshot(m, ["a", "b"]) == before
