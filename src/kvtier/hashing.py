@@ -55,6 +55,44 @@ def digest_function(algorithm: HashAlgorithm) -> Callable[[bytes], bytes]:
         ) from None
 
 
+# Token ids are vocabulary indices: [0, 2**32) covers every tokenizer in use, and
+# is what the batched encoder handles. Requests and token traces refuse others.
+MAX_TOKEN_ID = (1 << 32) - 1
+
+
+def check_token_ids(token_ids: Sequence[int] | Any, where: str = "token ids") -> list[int]:
+    """The tokens as a new list of ints, refused (naming the first bad one and its
+    position) unless every one is an int in [0, MAX_TOKEN_ID]."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.dtype.kind not in "iu" or token_ids.ndim != 1:
+            raise ValueError(
+                f"{where} must be a flat sequence of integers, got an array of dtype "
+                f"{token_ids.dtype} and shape {token_ids.shape}"
+            )
+        tokens: list[int] = token_ids.tolist()
+    elif isinstance(token_ids, str | bytes):
+        raise ValueError(f"{where} must be a sequence of integers, got {token_ids!r:.40}")
+    else:
+        tokens = list(token_ids)
+    try:  # the common case checked in C: ints that fit, then one min/max
+        values = array.array("q", tokens)
+        if not values or (min(values) >= 0 and max(values) <= MAX_TOKEN_ID):
+            return values.tolist()
+    except (OverflowError, TypeError):
+        pass
+    for position, token in enumerate(tokens):
+        if (
+            isinstance(token, bool)
+            or not isinstance(token, int | np.integer)
+            or not 0 <= token <= MAX_TOKEN_ID
+        ):
+            raise ValueError(
+                f"{where}: token {position} is {token!r}; token ids are integers in "
+                f"[0, {MAX_TOKEN_ID}]"
+            )
+    return [int(t) for t in tokens]
+
+
 def positive_int(name: str, value: object, minimum: int = 1) -> int:
     """`value` itself when it is an int (not a bool) >= minimum; else a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -18,6 +18,7 @@ from kvtier.hashing import (
     BlockHashSpec,
     HashAlgorithm,
     check_mm_inputs,
+    check_token_ids,
     hash_blocks,
     positive_int,
 )
@@ -60,7 +61,7 @@ class Request:
         block_size: int | None = None,
         hash_algorithm: HashAlgorithm = "sha256_cbor",
     ) -> None:
-        tokens = _token_list(prompt_token_ids)
+        tokens = check_token_ids(prompt_token_ids, f"request {request_id!r}: prompt_token_ids")
         self._init_common(request_id, len(tokens), cache_salt, lora_name, lora_path)
         self._token_ids: list[int] | None = tokens
         self._precomputed = False
@@ -167,10 +168,11 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | np.integer[Any] | Sequence[int]) -> None:
         """Append generated tokens (decode); a hash-built request only counts them."""
+        where = f"request {self.request_id!r}: output token ids"
         if isinstance(token_ids, int | np.integer):  # a sampler's numpy scalar too
-            new = [int(token_ids)]
+            new = check_token_ids([token_ids], where)
         else:
-            new = _token_list(token_ids)
+            new = check_token_ids(token_ids, where)
         if self._token_ids is not None:
             self._token_ids.extend(new)
         self._num_tokens += len(new)
@@ -228,11 +230,3 @@ class Request:
             f"num_computed_tokens={self.num_computed_tokens})"
         )
 
-
-def _token_list(token_ids: Sequence[int] | Any) -> list[int]:
-    """A private list of the tokens; their type is checked when they are hashed."""
-    if isinstance(token_ids, np.ndarray):
-        if token_ids.dtype.kind not in "iu":
-            raise ValueError(f"token ids must be integers, got dtype {token_ids.dtype}")
-        return list(token_ids.tolist())
-    return list(token_ids)

@@ -12,8 +12,12 @@ from typing import NewType
 BlockHash = NewType("BlockHash", bytes)
 
 
+# Trace hash ids are packed into 8 bytes: the ids a trace may carry are [0, 2**64).
+MAX_INT_BLOCK_HASH = (1 << 64) - 1
+
+
 def int_block_hash(value: int) -> BlockHash:
     """Pack a trace's integer hash id as a block hash (8 bytes, big-endian)."""
-    if value < 0:
-        raise ValueError(f"trace hash id must be >= 0, got {value}")
+    if not 0 <= value <= MAX_INT_BLOCK_HASH:
+        raise ValueError(f"trace hash id must be in [0, 2**64), got {value}")
     return BlockHash(value.to_bytes(8, "big"))

@@ -93,3 +93,38 @@ def test_token_views() -> None:
     assert list(request.prompt_token_ids) == [0, 1, 2, 3, 4]
     assert list(request.output_token_ids) == [9, 8]
     assert request.num_tokens == 7 and request.num_output_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("tokens", "bad"),
+    [
+        (["a"] * 40, "token 0 is 'a'"),
+        ([1, 2, 3.0], "token 2 is 3.0"),
+        ([1, None], "token 1 is None"),
+        ([5, -1], "token 1 is -1"),
+        ([2**32], "token 0 is 4294967296"),
+        ([2**70], "token 0 is 1180591620717411303424"),
+        ("abc", "must be a sequence of integers"),
+    ],
+)
+def test_bad_token_ids_are_refused_before_any_allocation(tokens: Any, bad: str) -> None:
+    """Issue 15 item 3: a bad token used to be found by allocate_slots after it took blocks."""
+    from kvtier import KVCacheManager
+
+    manager = KVCacheManager(block_size=4, num_gpu_blocks=10, max_model_len=64)
+    free = manager.block_pool.get_num_free_blocks()
+    with pytest.raises(ValueError, match=r"request 'r': prompt_token_ids.*" + bad):
+        Request("r", tokens)
+    assert manager.block_pool.get_num_free_blocks() == free
+    request = Request("r", [1, 2, 3])
+    with pytest.raises(ValueError, match=r"output token ids: token 1 is -5; token ids are"):
+        request.append_output_token_ids([4, -5])
+    with pytest.raises(ValueError, match=r"token 0 is np.int64\(4294967296\)"):
+        request.append_output_token_ids(np.int64(2**32))
+    assert request.num_tokens == 3 and list(request.all_token_ids) == [1, 2, 3]
+
+
+def test_token_ids_are_normalised_to_python_ints() -> None:
+    request = Request("r", np.arange(5, dtype=np.uint32))
+    request.append_output_token_ids([np.int64(7)])
+    assert all(type(t) is int for t in request.all_token_ids)

@@ -134,3 +134,73 @@ def test_tokens_reader_errors(tmp_path: Path) -> None:
         read_tokens(path)
     with pytest.raises(ValueError, match="unknown hash algorithm"):
         read_tokens(path, algorithm="md5")
+
+
+ROW = {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (
+            '{"timestamp":0,"input_length":1024,"output_length":1,'
+            '"hash_ids":[1180591620717411303424,2]}',
+            r"t.jsonl:1: field 'hash_ids' must hold integers in \[0, 18446744073709551615\], "
+            "got 1180591620717411303424",
+        ),
+        (
+            '{"timestamp":NaN,"input_length":1024,"output_length":1,"hash_ids":[1]}',
+            "t.jsonl:1: field 'timestamp' must be a finite number >= 0, got nan",
+        ),
+        (
+            '{"timestamp":Infinity,"input_length":1024,"output_length":1,"hash_ids":[1]}',
+            "t.jsonl:1: field 'timestamp' must be a finite number >= 0, got inf",
+        ),
+        (
+            '{"timestamp":0,"input_length":1,"output_length":1,"hash_ids":[1,2,3,4,5,6,7,8,9,10]}',
+            "t.jsonl:1: 10 hash_ids but input_length 1 fills at most 1 blocks of 512 tokens",
+        ),
+    ],
+)
+def test_out_of_range_values_name_line_field_and_range(
+    tmp_path: Path, line: str, message: str
+) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(ROW) + "\n" + line + "\n")
+    with pytest.raises(TraceFormatError, match=message.replace("t.jsonl:1", "t.jsonl:2")):
+        load_workload(path)
+
+
+def test_block_count_bound_is_per_format(tmp_path: Path) -> None:
+    """A block may be partial (ceil), but every id needs at least one input token."""
+    exact = {**ROW, "input_length": 513}  # 2 blocks of 512: the second holds 1 token
+    assert read_mooncake(_write(tmp_path, "m.jsonl", [exact]))[0].hash_ids == (1, 2)
+    row = {**BAILIAN_ROW, "input_length": 32}  # 3 ids of 16 tokens need > 32
+    with pytest.raises(TraceFormatError, match="3 hash_ids but input_length 32"):
+        read_bailian(_write(tmp_path, "b.jsonl", [row]))
+
+
+def test_invalid_utf8_names_file_line_and_byte(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(json.dumps(ROW).encode() + b"\n\xff\xfe\n")
+    with pytest.raises(TraceFormatError, match=r"t.jsonl:2: not UTF-8 \(byte 0xff at column 1\)"):
+        read_mooncake(path)
+
+
+@pytest.mark.parametrize(
+    ("rows", "what"),
+    [([], "no requests"), ([{**ROW, "hash_ids": []}], "1 requests but no blocks")],
+)
+def test_a_trace_without_blocks_is_refused(tmp_path: Path, rows: list[object], what: str) -> None:
+    path = _write(tmp_path, "e.jsonl", rows)
+    with pytest.raises(TraceFormatError, match=f"e.jsonl: the trace holds {what}"):
+        load_workload(path)
+
+
+def test_token_ids_out_of_range_are_refused(tmp_path: Path) -> None:
+    from kvtier.sim.traces import read_tokens
+
+    for bad in (-1, 2**32, 1.5):
+        path = _write(tmp_path, "k.jsonl", [{"token_ids": [1, bad], "output_length": 1}])
+        with pytest.raises(TraceFormatError, match=r"k.jsonl:1: field 'token_ids' must hold"):
+            read_tokens(path)

@@ -12,10 +12,13 @@ came from. Timestamps are milliseconds since the trace start in every format
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
+
+from kvtier.types import MAX_INT_BLOCK_HASH
 
 
 class TraceFormatError(ValueError):
@@ -52,14 +55,21 @@ def _field(obj: dict[str, Any], name: str, kind: type, where: str) -> Any:
 
 def _json_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
-        f = path.open("r", encoding="utf-8")
+        f = path.open("rb")
     except OSError as e:
         raise TraceFormatError(f"{path}: cannot open trace ({e.strerror})") from None
     with f:
-        for line_no, line in enumerate(f, start=1):
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TraceFormatError(
+                    f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    "a trace is UTF-8 JSON lines"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -69,14 +79,28 @@ def _json_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             yield where, obj
 
 
-def _int_list(obj: dict[str, Any], name: str, where: str) -> list[int]:
+def _int_list(obj: dict[str, Any], name: str, where: str, limit: int) -> list[int]:
+    """The field as a list of integers in [0, limit]."""
     values: list[int] = _field(obj, name, list, where)
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
             raise TraceFormatError(
-                f"{where}: field {name!r} must hold integers >= 0, got {value!r}"
+                f"{where}: field {name!r} must hold integers in [0, {limit}], got {value!r}"
             )
     return values
+
+
+def _hash_ids(obj: dict[str, Any], where: str, input_length: int, block_size: int) -> list[int]:
+    """The request's block ids: at most one per `block_size` tokens of its input (a
+    block id beyond the input would count hits on tokens nobody sent)."""
+    ids = _int_list(obj, "hash_ids", where, MAX_INT_BLOCK_HASH)
+    most = -(-input_length // block_size)
+    if len(ids) > most:
+        raise TraceFormatError(
+            f"{where}: {len(ids)} hash_ids but input_length {input_length} fills at most "
+            f"{most} blocks of {block_size} tokens"
+        )
+    return ids
 
 
 def _lengths(obj: dict[str, Any], where: str) -> tuple[int, int]:
@@ -91,17 +115,19 @@ def _lengths(obj: dict[str, Any], where: str) -> tuple[int, int]:
 
 def _timestamp(obj: dict[str, Any], where: str, scale: float = 1.0) -> float:
     value = float(_field(obj, "timestamp", float, where)) * scale
-    if value < 0:
-        raise TraceFormatError(f"{where}: field 'timestamp' must be >= 0, got {value!r}")
+    if not 0 <= value < math.inf:  # NaN fails too: it would scramble the replay order
+        raise TraceFormatError(
+            f"{where}: field 'timestamp' must be a finite number >= 0, got {obj['timestamp']!r}"
+        )
     return value
 
 
-def read_mooncake(path: str | Path) -> list[TraceRequest]:
+def read_mooncake(path: str | Path, block_size: int = 512) -> list[TraceRequest]:
     """Read a Mooncake JSONL trace (`timestamp`, `input_length`, `output_length`, `hash_ids`)."""
     requests: list[TraceRequest] = []
     for where, obj in _json_lines(Path(path)):
-        hash_ids = _int_list(obj, "hash_ids", where)
         input_length, output_length = _lengths(obj, where)
+        hash_ids = _hash_ids(obj, where, input_length, block_size)
         requests.append(
             TraceRequest(
                 timestamp=_timestamp(obj, where),
@@ -113,7 +139,7 @@ def read_mooncake(path: str | Path) -> list[TraceRequest]:
     return requests
 
 
-def read_bailian(path: str | Path) -> list[TraceRequest]:
+def read_bailian(path: str | Path, block_size: int = 16) -> list[TraceRequest]:
     """Read an Alibaba Bailian JSONL trace (16-token blocks, timestamps in seconds).
 
     Its hash ids are not chained (an id names a block's content, not its prefix), so
@@ -122,8 +148,8 @@ def read_bailian(path: str | Path) -> list[TraceRequest]:
     """
     requests: list[TraceRequest] = []
     for where, obj in _json_lines(Path(path)):
-        hash_ids = _int_list(obj, "hash_ids", where)
         input_length, output_length = _lengths(obj, where)
+        hash_ids = _hash_ids(obj, where, input_length, block_size)
         parent = obj.get("parent_chat_id", -1)
         if parent is None:
             parent = -1
@@ -156,7 +182,13 @@ def read_tokens(
     `cache_salt` and `lora_name`. Only full blocks get a hash, as in the engine.
     The hashes are interned to dense integers so the replay treats every format alike.
     """
-    from kvtier.hashing import HashAlgorithm, digest_function, hash_request_blocks, positive_int
+    from kvtier.hashing import (
+        MAX_TOKEN_ID,
+        HashAlgorithm,
+        digest_function,
+        hash_request_blocks,
+        positive_int,
+    )
 
     # Checked before the first line, so that a bad call fails on an empty trace too.
     digest_function(cast("HashAlgorithm", algorithm))
@@ -164,7 +196,7 @@ def read_tokens(
     interned: dict[bytes, int] = {}
     requests: list[TraceRequest] = []
     for index, (where, obj) in enumerate(_json_lines(Path(path))):
-        token_ids = _int_list(obj, "token_ids", where)
+        token_ids = _int_list(obj, "token_ids", where, MAX_TOKEN_ID)
         output_length = _field(obj, "output_length", int, where)
         if output_length < 0:
             raise TraceFormatError(f"{where}: field 'output_length' must be >= 0")

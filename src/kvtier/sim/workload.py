@@ -13,7 +13,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from kvtier.sim.traces import TraceRequest, read_bailian, read_mooncake, read_tokens
+from kvtier.sim.traces import (
+    TraceFormatError,
+    TraceRequest,
+    read_bailian,
+    read_mooncake,
+    read_tokens,
+)
 from kvtier.types import BlockHash, int_block_hash
 
 TraceFormat = Literal["mooncake", "bailian", "tokens"]
@@ -89,11 +95,18 @@ def load_workload(path: str | Path, fmt: str = "mooncake", *, limit: int | None 
     if fmt not in FORMATS:
         raise ValueError(f"unknown trace format {fmt!r}; known: {', '.join(FORMATS)}")
     path = Path(path)
+    block_size = _FORMAT_BLOCK_SIZE[fmt]
     if fmt == "mooncake":
-        requests = read_mooncake(path)
+        requests = read_mooncake(path, block_size)
     elif fmt == "bailian":
-        requests = read_bailian(path)
+        requests = read_bailian(path, block_size)
     else:
-        requests = read_tokens(path, block_size=_FORMAT_BLOCK_SIZE["tokens"])
-    workload = Workload(path.name, tuple(requests), _FORMAT_BLOCK_SIZE[fmt], fmt != "bailian")
+        requests = read_tokens(path, block_size=block_size)
+    workload = Workload(path.name, tuple(requests), block_size, fmt != "bailian")
+    if not workload.block_refs:  # nothing to cache: every hit rate would be 0/0
+        what = "no requests" if not requests else f"{len(requests)} requests but no blocks"
+        raise TraceFormatError(
+            f"{path}: the trace holds {what}; a replay needs at least one block "
+            f"({block_size} tokens in {fmt} format)"
+        )
     return workload.limited(limit)
