@@ -229,4 +229,3 @@ class Request:
             f"Request({self.request_id!r}, {kind}, num_tokens={self._num_tokens}, "
             f"num_computed_tokens={self.num_computed_tokens})"
         )
-
