@@ -14,12 +14,17 @@ from typing import Any
 
 # exported name -> the submodule of kvtier.vllm that defines it
 _EXPORTS: dict[str, str] = {}
+# name prefix -> the submodule that makes those names on demand (one vLLM cache policy
+# per policy in kvtier's registry, "kvtier_lru", "kvtier_arc", ...: see cache_policies)
+_PREFIXES: dict[str, str] = {"kvtier_": "cache_policies"}
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     submodule = _EXPORTS.get(name)
+    if submodule is None:
+        submodule = next((m for p, m in _PREFIXES.items() if name.startswith(p)), None)
     if submodule is None:
         raise AttributeError(
             f"module 'kvtier.vllm' has no attribute {name!r}; it exports {sorted(_EXPORTS)}"
