@@ -103,3 +103,4 @@ class Engine:
 
     def close(self) -> None:
         self.worker.close()
+        self.disk_store.close()

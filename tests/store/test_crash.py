@@ -89,5 +89,6 @@ def test_sigkill_at_random_points_keeps_every_completed_block(tmp_path: Path) ->
                 continue
             assert bytes(buffer) == expected(block), f"block {block} served torn"
         assert not list(store.directory.glob("*.tmp"))
+        store.close()  # the next child owns the directory
         next_block = max(recovered | completed) + 1
     assert len(completed) >= ITERATIONS

@@ -39,6 +39,7 @@ def test_round_trip_and_recovery_after_reopen(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     store.write([int_block_hash(i) for i in range(5)], [payload(i) for i in range(5)])
     assert [read(store, i) for i in range(5)] == [payload(i) for i in range(5)]
+    store.close()  # a directory has one owner at a time
     reopened = open_store(tmp_path)
     assert sorted(reopened.recovered) == [int_block_hash(i) for i in range(5)]
     assert [read(reopened, i) for i in range(5)] == [payload(i) for i in range(5)]
@@ -59,10 +60,15 @@ def test_recovery_deletes_temp_torn_and_foreign_files(tmp_path: Path) -> None:
     data[10] ^= 1  # header bit flip
     blk2.write_bytes(bytes(data))
     os.replace(directory / file_name(int_block_hash(3)), directory / file_name(int_block_hash(7)))
+    store.close()  # a directory has one owner at a time
     reopened = open_store(tmp_path)
     assert reopened.recovered == [int_block_hash(0)]
     assert reopened.stats().dropped_at_recovery == 4
-    assert {p.name for p in directory.iterdir()} == {"layout.json", file_name(int_block_hash(0))}
+    assert {p.name for p in directory.iterdir()} == {
+        "layout.json",
+        "lock",
+        file_name(int_block_hash(0)),
+    }
 
 
 def test_flipped_payload_byte_fails_the_load_drops_and_counts(tmp_path: Path) -> None:
@@ -112,6 +118,7 @@ def test_capacity_is_bounded_in_bytes(tmp_path: Path) -> None:
     # apart explicitly: writes this close together can share a timestamp).
     for age, i in enumerate((3, 0, 2)):  # block 2 newest, then 0; block 3 oldest
         os.utime(store.directory / file_name(int_block_hash(i)), ns=(age, 10**9 * (age + 1)))
+    store.close()
     smaller = open_store(tmp_path, blocks=2)
     assert smaller.recovered == [int_block_hash(0), int_block_hash(2)]  # oldest first
     assert smaller.stats().dropped_at_recovery == 1 and int_block_hash(3) not in smaller
@@ -124,7 +131,7 @@ def test_a_failed_write_leaves_nothing_readable(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="layout needs"):
         store.write([int_block_hash(1)], [b"short"])
     assert store.stats().num_blocks == 0 and store.stats().used_bytes == 0
-    assert [p.name for p in store.directory.iterdir()] == ["layout.json"]
+    assert sorted(p.name for p in store.directory.iterdir()) == ["layout.json", "lock"]
 
 
 def test_concurrent_writer_reader_and_discards(tmp_path: Path) -> None:

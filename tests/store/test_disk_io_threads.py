@@ -51,7 +51,7 @@ def test_a_job_round_trips_through_its_segments(tmp_path: Path, io_threads: int)
     assert stats.num_blocks == len(HASHES)
     assert stats.used_bytes == len(HASHES) * store.file_bytes(HASHES[0])
     assert sorted(p.name for p in store.directory.iterdir()) == sorted(
-        ["layout.json", *(file_name(h) for h in HASHES)]
+        ["layout.json", "lock", *(file_name(h) for h in HASHES)]
     )
 
 
@@ -113,7 +113,7 @@ def test_a_failed_block_write_keeps_the_completed_ones_and_releases_the_rest(
     assert HASHES[6] not in kept and len(kept) >= 5  # the blocks before it completed
     assert store.stats().used_bytes == len(kept) * store.file_bytes(HASHES[0])
     names = {p.name for p in store.directory.iterdir()}
-    assert names == {"layout.json", *(file_name(h) for h in kept)}  # no temp file left
+    assert names == {"layout.json", "lock", *(file_name(h) for h in kept)}  # no temp file left
     buffers = [memoryview(bytearray(LAYOUT.bytes_per_block)) for _ in kept]
     store.read(kept, buffers)
     assert [bytes(b) for b in buffers] == [payload(HASHES.index(h)) for h in kept]

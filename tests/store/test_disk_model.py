@@ -102,6 +102,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
 
     @rule()
     def reopen(self) -> None:
+        self.store.close()  # a restart: the old owner is gone
         self.store = self._open()
         assert set(self.store.recovered) == set(self.model)
 

@@ -12,7 +12,13 @@ the load (the engine recomputes).
 
 The directory is `<root>/kvtier-<fingerprint>/`. Opening a root that holds blocks of
 another layout raises `LayoutMismatchError` (naming both layouts), unless
-`on_mismatch="ignore"`, which leaves the foreign directory untouched and unread.
+`on_mismatch="ignore"`, which leaves the foreign directory untouched and unread (and
+marks this layout's directory as sharing the root by consent, so the other layout's
+next strict open does not fail on it).
+
+One open `DiskStore` owns its directory (an exclusive lock, see `kvtier.store.diskdir`):
+a second opener, in this process or another, gets `DirectoryInUseError` naming the
+holder's pid. `close()` (or the process's end) gives the directory up.
 
 Threads: one writer and one reader (a transfer worker's two threads) and the
 scheduler's `discard` may run concurrently; the index is guarded by a lock and a file
@@ -30,6 +36,7 @@ import itertools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -41,7 +48,13 @@ import xxhash
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.disk import DiskOffloadingManager
 from kvtier.store.checksum import ChecksumError, segments_checksum
-from kvtier.store.diskdir import check_foreign, delete, open_directory, scan
+from kvtier.store.diskdir import (
+    DirectoryInUseError,
+    check_foreign,
+    delete,
+    open_directory,
+    scan,
+)
 from kvtier.store.diskformat import (
     DIR_PREFIX,
     NBYTES,
@@ -131,8 +144,15 @@ class DiskStore:
         self._checksum_failures = self._missing = self._dropped_at_recovery = 0
         if on_mismatch == "error":
             check_foreign(self.root, self.directory, layout)
-        open_directory(self.root, self.directory, layout, fsync)
-        self.recovered: list[BlockHash] = self._recover()
+        lock = open_directory(
+            self.root, self.directory, layout, fsync, shares_root=on_mismatch == "ignore"
+        )
+        self._release = weakref.finalize(self, os.close, lock)  # at close() or collection
+        try:
+            self.recovered: list[BlockHash] = self._recover()
+        except BaseException:
+            self._release()
+            raise
 
     @property
     def layout(self) -> KVLayout:
@@ -207,7 +227,10 @@ class DiskStore:
             self._settle(block_hashes, written)
 
     def _reserve(self, block_hashes: Sequence[BlockHash]) -> None:
-        """Refuse a write that could take the directory over its byte capacity."""
+        """Refuse a write that could take the directory over its byte capacity, or into
+        a directory this store no longer owns."""
+        if not self._release.alive:
+            raise DirectoryInUseError(f"disk tier {self.directory} was closed: reopen it")
         with self._lock:
             new = [h for h in dict.fromkeys(block_hashes) if h not in self._sizes]
             need = sum(self.file_bytes(h) for h in new)
@@ -291,17 +314,23 @@ class DiskStore:
         was measured and dropped: its hand-offs need the GIL back after every segment's
         hash, and the reader stalls behind it (CPython's GIL convoy); per-layer loads
         got slower. Whole blocks per thread (`read_parts`) need no hand-off at all."""
+        path = self._prefix + block_hash.hex() + SUFFIX
         try:
-            fd = os.open(self._prefix + block_hash.hex() + SUFFIX, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise self._missing_error(block_hash) from None
         raw_header = bytearray(_FIXED_HEADER + len(block_hash))
         size = self._size
         chunks = chunked(parts, self._group)
-        got, checksum = read_hashed(fd, raw_header, chunks, size, state)  # closes fd
+        try:
+            got, checksum = read_hashed(fd, raw_header, chunks, size, state)  # closes fd
+        except OSError as exc:  # e.g. the file was replaced by a directory
+            raise self._drop_corrupt(block_hash, f"cannot read {path} ({exc.strerror})") from exc
         if got == size and checksum == self._header_check.stored_checksum(raw_header, block_hash):
             return
         try:  # name the damage
+            if got > size:
+                raise FormatError(f"{path} is longer than one block (bytes appended)")
             if got != size:
                 raise FormatError(f"torn block file ({got} of {size} payload bytes)")
             if checksum != self._header_check.payload_checksum(raw_header, block_hash):
@@ -342,8 +371,10 @@ class DiskStore:
                 logger.warning("disk tier: could not delete %s: %s", block_hash.hex(), e)
 
     def close(self) -> None:
-        """Stop the I/O helper threads (the store stays usable; they restart on demand)."""
+        """Stop the I/O helper threads and give up the directory (another store may open
+        it); reads still work, writes are refused."""
         self._io.close()
+        self._release()
 
     def take_dropped(self) -> list[BlockHash]:
         """Hashes found missing or corrupt since the last call (for the scheduler to forget)."""

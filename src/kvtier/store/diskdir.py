@@ -1,5 +1,12 @@
-"""Opening a disk tier's directory: refusing another layout's blocks, writing the
-layout marker, and the recovery scan that finds every complete block after a crash.
+"""Opening a disk tier's directory: taking its lock, refusing another layout's blocks,
+writing the layout marker, and the recovery scan that finds every complete block after
+a crash.
+
+A directory has one owner: `DiskStore` holds an exclusive `flock` on its `lock` file
+for as long as it is open. Two owners would each count the other's files against
+their own budget, and one's recovery would delete the other's in-flight temporary
+files; a second opener is refused, naming the holder's pid. The kernel drops the
+lock when its process dies (even by SIGKILL), so a dead owner never blocks a restart.
 
 Kept apart from `DiskStore`'s reads and writes because it runs once, at open, and
 is what a crash-recovery tool needs on its own. The scan trusts nothing but a block
@@ -10,14 +17,18 @@ verified at load, where they are read anyway.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvtier.store.diskformat import (
     DIR_PREFIX,
     LAYOUT_FILE,
+    LOCK_FILE,
     TMP_SUFFIX,
     BlockHeader,
     FormatError,
@@ -30,16 +41,40 @@ from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.types import BlockHash
 
 
+class DirectoryInUseError(OSError):
+    """Another open `DiskStore` (this process or another) owns the directory."""
+
+
+def read_marker(marker: Path) -> dict[str, Any]:
+    """A directory's layout marker; a ValueError naming the file says what is wrong."""
+    try:
+        found = json.loads(marker.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise FormatError(
+            f"{marker}: layout marker is not valid JSON ({e}); expected an object with "
+            "'fingerprint'. Delete the directory if it holds nothing you need"
+        ) from None
+    if not isinstance(found, dict) or not isinstance(found.get("fingerprint"), str):
+        raise FormatError(
+            f"{marker}: layout marker must be a JSON object with a 'fingerprint' string, "
+            f"got {str(found)[:80]!r}"
+        )
+    return found
+
+
 def check_foreign(root: Path, directory: Path, layout: KVLayout) -> None:
-    """Raise `LayoutMismatchError` if `root` holds another layout's block directory."""
+    """Raise `LayoutMismatchError` if `root` holds another layout's block directory
+    (one opened with on_mismatch='ignore' shares the root by consent: not counted)."""
     if not root.is_dir():
         return
     for entry in sorted(root.iterdir()):
         if entry.name.startswith(DIR_PREFIX) and entry.name != directory.name and entry.is_dir():
             try:
-                theirs = json.loads((entry / LAYOUT_FILE).read_text())
+                theirs = read_marker(entry / LAYOUT_FILE)
             except (OSError, ValueError):
                 theirs = {"fingerprint": entry.name[len(DIR_PREFIX) :]}
+            if theirs.get("shares_root"):
+                continue
             raise LayoutMismatchError(
                 f"{root} holds KV blocks of another layout ({theirs}) in {entry}; "
                 f"this cache's layout is {layout.fingerprint} "
@@ -48,19 +83,82 @@ def check_foreign(root: Path, directory: Path, layout: KVLayout) -> None:
             )
 
 
-def open_directory(root: Path, directory: Path, layout: KVLayout, fsync: bool) -> None:
-    """Create `directory` with its layout marker, or check the marker already there."""
+def open_directory(
+    root: Path, directory: Path, layout: KVLayout, fsync: bool, shares_root: bool = False
+) -> int:
+    """Create `directory`, take its lock and write its layout marker, or check the marker
+    already there. Returns the lock's file descriptor (closing it releases the lock)."""
     directory.mkdir(parents=True, exist_ok=True)
-    marker = directory / LAYOUT_FILE
-    if marker.exists():
-        found = json.loads(marker.read_text()).get("fingerprint", "")
-        layout.check_compatible(found, str(directory))
-        return
-    description = {"fingerprint": layout.fingerprint, **layout.describe()}
-    data = json.dumps(description, sort_keys=True).encode()
-    durable_write(str(marker), f"{marker}.{os.getpid()}{TMP_SUFFIX}", [data], fsync)
-    if fsync:
-        sync_directory(root)
+    lock = lock_directory(directory)
+    try:
+        marker = directory / LAYOUT_FILE
+        if marker.exists():
+            found = read_marker(marker)
+            layout.check_compatible(found["fingerprint"], str(directory))
+            return lock
+        description = {"fingerprint": layout.fingerprint, **layout.describe()}
+        if shares_root:
+            description["shares_root"] = True
+        data = json.dumps(description, sort_keys=True).encode()
+        durable_write(str(marker), f"{marker}.{os.getpid()}{TMP_SUFFIX}", [data], fsync)
+        if fsync:
+            sync_directory(root)
+    except BaseException:
+        os.close(lock)
+        raise
+    return lock
+
+
+def lock_directory(directory: Path) -> int:
+    """Take `directory`'s exclusive lock, or raise `DirectoryInUseError` naming its holder."""
+    path = directory / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        mine = " (this process)" if holder == str(os.getpid()) else ""
+        raise DirectoryInUseError(
+            f"disk tier directory {directory} is in use by process {holder}{mine} "
+            f"(lock {path}); a directory has one owner at a time: give each cache its "
+            "own directory, or close the other DiskStore first"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def reclaim_abandoned(parent: Path, prefix: str) -> int:
+    """Delete `parent`'s directories named `prefix*` (this user's) whose every block
+    directory's lock is free: their owners died without cleaning up. Returns how many."""
+    reclaimed = 0
+    try:
+        candidates = [p for p in parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return 0
+    for candidate in candidates:
+        with contextlib.suppress(OSError):
+            if candidate.is_symlink() or candidate.stat().st_uid != os.getuid():
+                continue
+            locks = list(candidate.glob(f"{DIR_PREFIX}*/{LOCK_FILE}"))
+            if not locks:  # being created (its store not open yet), or not ours
+                continue
+            held = []
+            try:
+                for lock in locks:
+                    held.append(lock_directory(lock.parent))
+            except DirectoryInUseError:
+                continue
+            finally:
+                for fd in held:
+                    os.close(fd)
+            shutil.rmtree(candidate)
+            reclaimed += 1
+    return reclaimed
 
 
 def scan(
@@ -79,6 +177,11 @@ def scan(
             block_hash = hash_of(entry.name)
             if block_hash is None:
                 continue
+            if not entry.is_file(follow_symlinks=False):
+                raise FormatError(
+                    f"{entry.path}: a block file's name, but not a regular file; "
+                    "only kvtier writes in a disk tier's directory: move it away"
+                )
             size = _valid_size(entry.path, block_hash, header_check)
             if size is None or size != file_bytes(block_hash):
                 deleted += delete(entry.path)

@@ -30,6 +30,7 @@ VERSION = 1
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 LAYOUT_FILE = "layout.json"
+LOCK_FILE = "lock"  # held by the directory's one open DiskStore (flock)
 DIR_PREFIX = "kvtier-"
 
 # magic, version, hash length, fingerprint, payload length, payload xxh3
@@ -197,10 +198,12 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
 
 
 def read_into(fd: int, views: Sequence[bytearray | memoryview], want: int) -> int:
-    """Fill `views` (`want` bytes in all) from `fd`'s position: one `readv` for the usual
-    case. Returns the bytes read, short only at the end of the file (a torn file)."""
+    """Fill `views` from `fd`'s position: one `readv` for the usual case. Returns the
+    bytes read: `want` or more (`views` may hold more than `want`: a regular file's
+    short read ends at its end, so a spare byte past `want` tells, at no extra call,
+    whether the file goes on), short only at the end of the file (a torn file)."""
     done = os.readv(fd, views) if len(views) <= _IOV_MAX else 0
-    if done == want:
+    if done >= want:
         return done
     total = done
     for part in views:  # a short read (or too many parts): finish part by part
@@ -247,16 +250,18 @@ def read_hashed(
 ) -> tuple[int, int]:
     """Read a block file's header, then its `size`-byte payload straight into the parts
     of `chunks` (no bounce copy), each chunk hashed right after its read (see
-    `READ_CHUNK`). Returns the payload bytes read (short only on a torn file) and their
+    `READ_CHUNK`). Returns the payload bytes read (short on a torn file, one more on a
+    file that goes on past the block: recovery would refuse it too) and their
     xxh3, which equals the one-shot xxh3 of the whole payload.
 
     Closes `fd` (on every path) as soon as the last read returns, before the last
     chunk is hashed: with two I/O threads, a 256 KiB block loads in ~20% less time
     than when the file is closed after its hashing (measured; the same on one thread)."""
     head = len(raw_header)
+    spare = bytearray(1)  # read past the payload: a longer file is not this block's
     try:
         if len(chunks) == 1:  # the usual block: one readv
-            got = read_into(fd, [raw_header, *chunks[0]], head + size) - head
+            got = read_into(fd, [raw_header, *chunks[0], spare], head + size) - head
         else:
             state.reset()
             first: list[bytearray | memoryview] = [raw_header, *chunks[0]]
@@ -265,7 +270,7 @@ def read_hashed(
             for chunk in chunks[1:-1]:
                 got += read_into(fd, chunk, sum(map(NBYTES, chunk)))
                 any(map(state.update, chunk))
-            got += read_into(fd, chunks[-1], sum(map(NBYTES, chunks[-1])))
+            got += read_into(fd, [*chunks[-1], spare], sum(map(NBYTES, chunks[-1])))
     finally:
         os.close(fd)
     last = chunks[-1]
