@@ -18,7 +18,11 @@ built only from the manager's own answers:
 - replaying the events from empty gives exactly the set of ready blocks;
 - ghost lists (if `ghost_sizes` is given) never exceed `capacity`;
 - rejected calls (loading an absent or in-flight block, completing a load that was
-  not started, duplicate hashes) raise KeyError/ValueError and change nothing.
+  not started, a key that is not bytes) raise KeyError/ValueError and change nothing;
+- repeated hashes in one call are accepted: `prepare_store` and `complete_store`
+  take each hash once (a second slot, a second free or a second store event would
+  be a bug), `prepare_load` pins once per listing (its spec names the slot per
+  listing) and `complete_load` releases once per listing.
 
 Using it for a new manager (e.g. a disk tier), in a test module::
 
@@ -42,7 +46,9 @@ checks after every step that each block's reference count is exactly the model's
 call left no pin behind. `exact_rejections=True` additionally asserts a None
 from prepare_store means fewer evictable blocks than needed (true for LRU, not
 for ARC). `reference`, a second factory, mirrors every call to another manager
-and requires identical answers (a differential test).
+and requires identical answers (a differential test); being vLLM's behaviour, the
+reference gets `prepare_store`'s hashes de-duplicated (vLLM would give a repeat a
+second slot, which kvtier deliberately does not).
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ from kvtier.offload.abstract import OffloadingManager, PrepareStoreOutput
 from kvtier.types import BlockHash, int_block_hash
 
 READY, IN_FLIGHT = "ready", "in flight"
+BAD_KEYS = ("abc", 7, None, 1.5, ["a"])
+CALLS_TAKING_KEYS = ("prepare_store", "complete_store", "prepare_load", "complete_load")
 
 
 def _slot_ids(spec: Any) -> list[int] | None:
@@ -97,6 +105,8 @@ def offloading_manager_machine(
     hash_lists = st.lists(st.integers(0, universe - 1), unique=True, max_size=6).map(
         lambda ids: [int_block_hash(i) for i in ids]
     )
+    # the same lists with up to three hashes listed again, anywhere
+    repeating_lists = hash_lists.flatmap(_with_repeats)
 
     class OffloadingManagerMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -113,7 +123,10 @@ def offloading_manager_machine(
         def call(self, name: str, *args: Any) -> Any:
             answer = getattr(self.manager, name)(*args)
             if self.ref is not None:
-                ref_answer = getattr(self.ref, name)(*args)
+                ref_args = args
+                if name == "prepare_store":
+                    ref_args = (list(dict.fromkeys(args[0])),)
+                ref_answer = getattr(self.ref, name)(*ref_args)
                 assert _normal(name, answer) == _normal(name, ref_answer), (name, args)
             return answer
 
@@ -140,7 +153,7 @@ def offloading_manager_machine(
 
         # --- the seven calls -------------------------------------------
 
-        @rule(hashes=hash_lists)
+        @rule(hashes=repeating_lists)
         def lookup(self, hashes: list[BlockHash]) -> None:
             hits = self.call("lookup", hashes)
             if exact_lookup:
@@ -152,7 +165,7 @@ def offloading_manager_machine(
         @rule(data=st.data())
         def prepare_load(self, data: st.DataObject) -> None:
             ready = self.ready()
-            load = data.draw(st.lists(st.sampled_from(ready), unique=True, min_size=1, max_size=4))
+            load = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=4))
             spec = self.call("prepare_load", load)
             self.pins.update(load)
             ids = _slot_ids(spec)
@@ -162,18 +175,20 @@ def offloading_manager_machine(
         @precondition(lambda self: bool(+self.pins))
         @rule(data=st.data())
         def complete_load(self, data: st.DataObject) -> None:
-            pinned = sorted(+self.pins)
-            done = data.draw(st.lists(st.sampled_from(pinned), unique=True, min_size=1, max_size=4))
+            # each pin at most once: a hash pinned twice may be listed twice
+            pool = sorted(self.pins.elements())
+            picks = st.lists(st.integers(0, len(pool) - 1), unique=True, min_size=1, max_size=4)
+            done = [pool[i] for i in data.draw(picks)]
             self.call("complete_load", done)
             self.pins.subtract(done)
 
-        @rule(hashes=hash_lists)
+        @rule(hashes=repeating_lists)
         def touch(self, hashes: list[BlockHash]) -> None:
             self.call("touch", hashes)
 
-        @rule(hashes=hash_lists)
+        @rule(hashes=repeating_lists)
         def prepare_store(self, hashes: list[BlockHash]) -> None:
-            absent = [h for h in hashes if h not in self.state]
+            absent = [h for h in dict.fromkeys(hashes) if h not in self.state]
             need = len(absent) - (capacity - len(self.state))
             out = self.call("prepare_store", hashes)
             if out is None:
@@ -224,8 +239,9 @@ def offloading_manager_machine(
             flight = self.in_flight()
             done = data.draw(st.lists(st.sampled_from(flight), unique=True, min_size=1))
             done += [h for h in extra if h not in done]  # absent or ready: ignored
+            done += data.draw(st.lists(st.sampled_from(done), max_size=3))  # settled once
             self.call("complete_store", done, success)
-            for h in done:
+            for h in dict.fromkeys(done):
                 if self.state.get(h) == IN_FLIGHT:
                     if success:
                         self.state[h] = READY
@@ -270,9 +286,19 @@ def offloading_manager_machine(
                 )
 
         @precondition(lambda self: strict_errors)
-        @rule(hashes=hash_lists.filter(bool))
-        def duplicate_hashes(self, hashes: list[BlockHash]) -> None:
-            self.expect_rejected("prepare_store", [*hashes, hashes[0]])
+        @rule(
+            hashes=hash_lists,
+            name=st.sampled_from(CALLS_TAKING_KEYS),
+            bad=st.sampled_from(BAD_KEYS),
+            at=st.integers(0, 6),
+        )
+        def bad_key(self, hashes: list[BlockHash], name: str, bad: Any, at: int) -> None:
+            # otherwise valid calls, so that the key alone is what gets them refused
+            if name == "prepare_load":
+                hashes = [h for h in hashes if self.state.get(h) == READY]
+            elif name == "complete_load":
+                hashes = sorted(+self.pins)
+            self.expect_rejected(name, [*hashes[:at], bad, *hashes[at:]])
 
         # --- invariants ------------------------------------------------
 
@@ -298,3 +324,10 @@ def offloading_manager_machine(
                 assert all(size <= capacity for size in ghost_sizes(self.manager))
 
     return OffloadingManagerMachine
+
+
+def _with_repeats(hashes: list[BlockHash]) -> st.SearchStrategy[list[BlockHash]]:
+    if not hashes:
+        return st.just(hashes)
+    extra = st.lists(st.sampled_from(hashes), max_size=3)
+    return extra.flatmap(lambda more: st.permutations([*hashes, *more]))

@@ -25,11 +25,21 @@ def make(**kwargs: int | bool) -> FilterReusedOffloadingManager:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"store_threshold": 1}, "store_threshold"), ({"max_tracker_size": 0}, "max_tracker_size")],
+    [
+        ({"store_threshold": 0}, "store_threshold must be an int >= 1, got 0"),
+        ({"store_threshold": 2.5}, "store_threshold"),
+        ({"max_tracker_size": 0}, "max_tracker_size"),
+    ],
 )
 def test_bad_arguments_are_rejected(kwargs: dict[str, int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make(**kwargs)
+
+
+def test_store_threshold_1_stores_what_was_looked_up_once() -> None:
+    f = make(store_threshold=1)  # vLLM accepts it, so kvtier does
+    f.lookup(h(1))
+    assert stored(f, 1, 2) == h(1)
 
 
 def test_stores_only_blocks_seen_threshold_times_in_lookups() -> None:
@@ -88,11 +98,22 @@ def test_counting_store_offers_instead_of_lookups() -> None:
     assert stored(f, 2, 1) == h(2, 1)  # second offer: stored, input order kept
 
 
+def test_a_repeated_offer_counts_once_and_a_repeated_lookup_twice() -> None:
+    f = make(count_store_offers=True)
+    assert stored(f, 1, 2, 1) == []
+    assert dict(f.counts) == {int_block_hash(1): 1, int_block_hash(2): 1}
+    assert f.counters.filtered_out == 2
+    g = make()
+    g.lookup(h(1, 1))  # vLLM counts every listing of a lookup
+    assert stored(g, 1) == h(1)
+
+
 @pytest.mark.parametrize("count_store_offers", [False, True])
-def test_duplicate_offers_are_refused_before_counting(count_store_offers: bool) -> None:
+def test_a_key_that_is_not_bytes_is_refused_before_counting(count_store_offers: bool) -> None:
     f = make(count_store_offers=count_store_offers)
     f.lookup(h(1))
     before = dict(f.counts)
-    with pytest.raises(ValueError, match="duplicate"):  # refused even if filtered out
-        f.prepare_store(h(1, 2, 1))
+    for call in (f.lookup, f.prepare_store):
+        with pytest.raises(ValueError, match="must be bytes"):  # refused even if filtered out
+            call([*h(1, 2), "abc"])  # type: ignore[list-item]
     assert f.counts == before and f.counters.filtered_out == 0

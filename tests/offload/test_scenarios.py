@@ -187,17 +187,6 @@ def test_completing_a_load_twice_raises_and_unpins_nothing(policy: str) -> None:
         m.complete_load(h(9))
 
 
-@pytest.mark.parametrize("call", ["prepare_load", "prepare_store"])
-def test_duplicate_hashes_in_one_call_are_rejected(policy: str, call: str) -> None:
-    m = CPUOffloadingManager(16, 4, policy)
-    store(m, 1)
-    m.prepare_load(h(1))
-    with pytest.raises(ValueError, match="duplicate"):
-        getattr(m, call)(h(1, 2, 1))
-    assert len(m) == 1 and m.lookup(h(1)) == 1
-    m.complete_load(h(1))
-
-
 def test_complete_load_releases_one_load_per_listing(policy: str) -> None:
     m = CPUOffloadingManager(16, 4, policy)
     store(m, 1)

@@ -12,6 +12,7 @@ from kvtier.offload import (
     ARCOffloadingManager,
     CPUBackend,
     CPUOffloadingManager,
+    FilterReusedOffloadingManager,
     LRUOffloadingManager,
     OffloadingManager,
 )
@@ -58,3 +59,14 @@ TestARCMatchesReference = offloading_manager_machine(
     _cpu("arc"), capacity=CAPACITY, ghost_sizes=_ghosts, reference=_reference("arc")
 ).TestCase
 TestARCMatchesReference.settings = SETTINGS
+
+# store_threshold=1 counting offers: every offered block is stored, so the filter
+# must behave exactly as the manager it wraps (repeated hashes included).
+TestFilterPassThrough = offloading_manager_machine(
+    lambda: FilterReusedOffloadingManager(
+        _cpu("lru")(), store_threshold=1, count_store_offers=True
+    ),
+    capacity=CAPACITY,
+    exact_rejections=True,
+).TestCase
+TestFilterPassThrough.settings = SETTINGS

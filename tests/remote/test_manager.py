@@ -82,12 +82,30 @@ def test_in_flight_stores_are_offered_once_and_failures_leave_nothing(
     assert manager.num_in_flight == (0, 0)
 
 
+def test_repeated_hashes_store_once_and_load_once_per_listing(redis_server: RedisServer) -> None:
+    manager = tier_for(redis_server).manager(enable_events=True, synthetic_payload_bytes=64)
+    out = manager.prepare_store([H[0], H[1], H[0]])
+    assert out is not None and out.block_hashes_to_store == H[:2]
+    manager.complete_store([H[0], H[0], H[1]])
+    assert [e.block_hashes for e in manager.take_events()] == [H[:2]]  # each once
+    assert manager.num_in_flight == (0, 0)
+    manager.prepare_store([H[2]])
+    manager.complete_store([H[2], H[2]], success=False)
+    assert manager.num_in_flight == (0, 0) and manager.lookup(H[:3]) == 2
+    manager.prepare_load([H[0], H[0]])  # one load per listing, as vLLM
+    assert manager.num_in_flight == (2, 0)
+    with pytest.raises(KeyError, match="not being loaded"):
+        manager.complete_load([H[0]] * 3)
+    manager.complete_load([H[0], H[0]])
+    assert manager.num_in_flight == (0, 0)
+
+
 def test_caller_mistakes_are_refused_with_state_unchanged(redis_server: RedisServer) -> None:
     manager = tier_for(redis_server).manager()
-    with pytest.raises(ValueError, match="duplicate block hashes"):
-        manager.prepare_store([H[0], H[0]])
-    with pytest.raises(ValueError, match="duplicate block hashes"):
-        manager.prepare_load([H[1], H[1]])
+    for call in (manager.prepare_store, manager.prepare_load, manager.complete_store):
+        with pytest.raises(ValueError, match=r"must be bytes .* got 'abc'"):
+            call([H[0], "abc"])  # type: ignore[operator]
+    assert manager.num_in_flight == (0, 0)
     manager.prepare_load(H[:2])
     with pytest.raises(KeyError, match="not being loaded"):
         manager.complete_load(H[1:3])

@@ -9,24 +9,43 @@ flight is never readable and a block being read is never evicted).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.types import BlockHash
 
 
-def distinct_hashes(call: str, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
-    """The hashes as a list (a list is not copied); ValueError naming the repeats if any.
+def block_hash_list(call: str, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
+    """The hashes as a list (a list is not copied); ValueError naming the first non-bytes.
 
-    Every manager refuses a hash listed twice in one pin or reservation call, with
-    the same error: one such block would otherwise be pinned or reserved twice.
+    Every manager checks keys before it changes anything: a str or int key would
+    otherwise be stored (and fail later, in the data plane or on disk) or raise half
+    way through a call.
     """
     hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
-    if len(set(hashes)) != len(hashes):
-        dups = [h for h, n in Counter(hashes).items() if n > 1]
-        raise ValueError(f"{call}: duplicate block hashes in one call: {dups!r}")
+    if hashes and set(map(type, hashes)) != _BYTES_ONLY:
+        for block_hash in hashes:
+            if not isinstance(block_hash, bytes):
+                raise ValueError(
+                    f"{call}: a block hash must be bytes (a BlockHash), got "
+                    f"{block_hash!r} of type {type(block_hash).__name__}"
+                )
     return hashes
+
+
+_BYTES_ONLY = {bytes}
+
+
+def unique_hashes(hashes: list[BlockHash]) -> list[BlockHash]:
+    """Each hash once, in order of first listing (`hashes` itself when none repeats).
+
+    vLLM accepts a hash listed twice in one call; the managers take it once (a
+    second slot for the same block would leak the first, a second completion would
+    free a slot twice), see docs/vllm-differences.md.
+    """
+    if len(hashes) < 2 or len(set(hashes)) == len(hashes):
+        return hashes
+    return list(dict.fromkeys(hashes))
 
 
 class LoadStoreSpec(ABC):

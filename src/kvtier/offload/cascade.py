@@ -37,7 +37,7 @@ medium ("CPU", "DISK"), in the order they happened.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -48,7 +48,8 @@ from kvtier.offload.abstract import (
     OffloadingManager,
     PrepareStoreOutput,
     RecordedEvents,
-    distinct_hashes,
+    block_hash_list,
+    unique_hashes,
 )
 from kvtier.offload.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec
 from kvtier.types import BlockHash
@@ -174,7 +175,7 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
         return hits
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
-        hashes = distinct_hashes("prepare_load", block_hashes)
+        hashes = block_hash_list("prepare_load", block_hashes)  # a load per listing
         spec = CascadeLoadSpec()
         for i, block_hash in enumerate(hashes):
             if self._ready(self._cpu_core, block_hash):
@@ -223,24 +224,27 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
 
     def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Unpin; and settle the promotion planned by `prepare_load` (`success` of the job)."""
-        hashes = distinct_hashes("complete_load", block_hashes)
-        for block_hash in hashes:
-            if not self._pins.get(block_hash):
-                raise KeyError(f"complete_load: block {block_hash!r} is not being loaded")
-        tiers = {block_hash: self._pins[block_hash].popleft() for block_hash in hashes}
-        for block_hash in hashes:
+        hashes = block_hash_list("complete_load", block_hashes)
+        listed = Counter(hashes)  # a hash listed k times releases k loads
+        for block_hash, n in listed.items():
+            if len(self._pins.get(block_hash, ())) < n:
+                raise KeyError(
+                    f"complete_load: block {block_hash!r} is not being loaded {n} time(s)"
+                )
+        tiers = [self._pins[block_hash].popleft() for block_hash in hashes]
+        for block_hash in listed:
             if not self._pins[block_hash]:
                 del self._pins[block_hash]
-        self.cpu.complete_load([h for h in hashes if tiers[h] == CPU])
-        self.disk.complete_load([h for h in hashes if tiers[h] == DISK])
-        promoted = [h for h in hashes if h in self._promoting]
+        self.cpu.complete_load([h for h, t in zip(hashes, tiers, strict=True) if t == CPU])
+        self.disk.complete_load([h for h, t in zip(hashes, tiers, strict=True) if t == DISK])
+        promoted = [h for h in listed if h in self._promoting]
         self._promoting.difference_update(promoted)
         self.complete_store(promoted, success)
 
     # --- writing -----------------------------------------------------------
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        hashes = distinct_hashes("prepare_store", block_hashes)
+        hashes = unique_hashes(block_hash_list("prepare_store", block_hashes))
         on_disk = [h for h in hashes if self._cpu_core.get_block(h) is None and self._present(h)]
         skip = set(on_disk)
         cpu_input = [h for h in hashes if h not in skip]
@@ -347,7 +351,7 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
                 self._groups[block_hash] = group
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
-        hashes = list(block_hashes)
+        hashes = unique_hashes(block_hash_list("complete_store", block_hashes))
         if not success:
             for block_hash in hashes:
                 block = self._cpu_core.get_block(block_hash)

@@ -5,7 +5,8 @@ evicts blocks that would have been hit. vLLM counts sightings at `lookup`. With
 `count_store_offers=True` the filter counts `prepare_store` offers instead: an
 engine only looks up the hashes after its own prefix hit, and a request cut short
 by a miss offers its whole tail for storing, so counting offers warms a block up
-after `store_threshold` offers however the lookups fell.
+after `store_threshold` offers however the lookups fell. `store_threshold=1` is
+accepted, as in vLLM: a block is stored once it has been looked up (or offered) once.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import replace
 
+from kvtier.hashing import positive_int
 from kvtier.offload.abstract import (
     LoadStoreSpec,
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
-    distinct_hashes,
+    block_hash_list,
+    unique_hashes,
 )
 from kvtier.offload.counters import OffloadingCounters
 from kvtier.types import BlockHash
@@ -35,10 +38,8 @@ class FilterReusedOffloadingManager(OffloadingManager):
         max_tracker_size: int = 64_000,
         count_store_offers: bool = False,
     ) -> None:
-        if store_threshold < 2:
-            raise ValueError(f"store_threshold must be >= 2, got {store_threshold}")
-        if max_tracker_size < 1:
-            raise ValueError(f"max_tracker_size must be >= 1, got {max_tracker_size}")
+        positive_int("store_threshold", store_threshold)
+        positive_int("max_tracker_size", max_tracker_size)
         self._backing = backing
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
@@ -64,14 +65,16 @@ class FilterReusedOffloadingManager(OffloadingManager):
                 counts[block_hash] = 1
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
-        hashes = list(block_hashes)
+        """Count each listing (a hash listed twice counts twice, as in vLLM), then ask."""
+        hashes = block_hash_list("lookup", block_hashes)
         if not self.count_store_offers:
             self._count(hashes)
         return self._backing.lookup(hashes)
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        # refused before counting: a rejected call changes nothing, whatever gets filtered
-        hashes = distinct_hashes("prepare_store", block_hashes)
+        # checked before counting: a rejected call changes nothing, whatever gets filtered;
+        # a hash listed twice is one offer
+        hashes = unique_hashes(block_hash_list("prepare_store", block_hashes))
         if self.count_store_offers:
             self._count(hashes)
         get, threshold = self.counts.get, self.store_threshold

@@ -6,7 +6,9 @@ to a `Backend`; `CPUOffloadingManager`, `LRUOffloadingManager` and
 `ARCOffloadingManager` are constructors over it, so the decisions are made in one
 place. Decisions are vLLM 0.19's (see docs/SEMANTICS.md sections 3 and 4); on top,
 caller mistakes raise KeyError/ValueError with the state unchanged instead of
-tripping asserts half way, and counters record what happened.
+tripping asserts half way, and counters record what happened. Every deliberate
+difference from vLLM (repeated hashes, key checks, errors) is listed in
+docs/vllm-differences.md.
 
 Speed: the policy's own maps are the only hash -> block index (a second one would
 double the dictionary work per stored block), read in one batched `get_many` call
@@ -27,7 +29,8 @@ from kvtier.offload.abstract import (
     OffloadingManager,
     PrepareStoreOutput,
     RecordedEvents,
-    distinct_hashes,
+    block_hash_list,
+    unique_hashes,
 )
 from kvtier.offload.backend import Backend, BlockStatus
 from kvtier.offload.counters import OffloadingCounters
@@ -37,10 +40,6 @@ from kvtier.offload.policies.registry import create_policy
 from kvtier.types import BlockHash
 
 EvictSplit = Callable[[int, Set[BlockHash]], tuple[list[BlockHash], list[BlockStatus]] | None]
-
-
-def _as_list(block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
-    return block_hashes if type(block_hashes) is list else list(block_hashes)
 
 
 def _not_loadable(call: str, block_hash: BlockHash, block: BlockStatus | None) -> Exception:
@@ -109,9 +108,9 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
         return hits
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
-        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
-        if len(hashes) > 1 and len(set(hashes)) != len(hashes):
-            distinct_hashes("prepare_load", hashes)  # raises
+        """Pin each listed block once per listing, as vLLM does (a hash listed twice is
+        loaded into two places, and `complete_load` of the same list releases both)."""
+        hashes = block_hash_list("prepare_load", block_hashes)
         blocks: list[Any] = self._get_many(hashes)
         for i, block in enumerate(blocks):
             if block is None or block.ref_cnt < 0:
@@ -128,7 +127,7 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         """Unpin; a hash listed k times releases k loads (an error if fewer are in flight)."""
-        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        hashes = block_hash_list("complete_load", block_hashes)
         blocks: list[Any] = self._get_many(hashes)
         for i, block in enumerate(blocks):
             if block is None or block.ref_cnt <= 0:
@@ -142,10 +141,9 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
     # --- writing -----------------------------------------------------------
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        """A hash listed twice is stored once (vLLM would give it a second slot)."""
+        hashes = unique_hashes(block_hash_list("prepare_store", block_hashes))
         protected = set(hashes)
-        if len(protected) != len(hashes):
-            distinct_hashes("prepare_store", hashes)  # raises
         to_store = self._absent(hashes)
         backend = self.backend
         if not to_store:
@@ -177,7 +175,9 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
         )
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
-        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        """Settle the in-flight blocks among the hashes, each once however often listed;
+        others (absent, ready) are ignored, as in vLLM."""
+        hashes = unique_hashes(block_hash_list("complete_store", block_hashes))
         blocks = self._get_many(hashes)
         if not (blocks and None not in blocks and max(map(ref_cnt, blocks)) < 0):
             # not the usual case (all in flight): keep only the in-flight ones
@@ -215,7 +215,7 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
         those removed, which are returned in input order.
         """
         removed: list[BlockHash] = []
-        for block_hash in _as_list(block_hashes):
+        for block_hash in block_hash_list("remove_ready", block_hashes):
             block = self.policy.get(block_hash)
             if block is not None and block.ref_cnt == 0:
                 self.policy.remove(block_hash)
@@ -228,6 +228,11 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
                 OffloadingEvent(removed, backend.block_size, backend.medium, removed=True)
             )
         return removed
+
+    @property
+    def _policy(self) -> CachePolicy:
+        """vLLM's name for `policy` (its tests and tools that inspect a policy read it)."""
+        return self.policy
 
     # --- beyond vLLM -------------------------------------------------------
 

@@ -7,7 +7,9 @@ hole), `prepare_store` offers every hash not already in flight from this
 engine, and no "removed" events are ever emitted (Redis evicts silently; a block
 that vanished between lookup and load fails that load, which the engine answers
 by recomputing). The only local state is what is in flight, so caller mistakes
-(completing a load never prepared, duplicate hashes) are still refused.
+(completing a load never prepared, keys that are not bytes) are still refused.
+Repeated hashes follow the other managers (docs/vllm-differences.md): a load pins
+once per listing, a store takes each hash once.
 
 `touch` is a no-op on purpose: a load's GET already refreshes Redis's LRU/LFU
 clock, and a synchronous round trip just to age blocks served by an upper tier
@@ -32,7 +34,8 @@ from kvtier.offload.abstract import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
-    distinct_hashes,
+    block_hash_list,
+    unique_hashes,
 )
 from kvtier.remote.async_lookup import AsyncLookups
 from kvtier.remote.redis_store import RedisBlockStore
@@ -96,17 +99,19 @@ class RemoteOffloadingManager(OffloadingManager):
             self._async.close()
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
-        hashes = distinct_hashes("prepare_load", block_hashes)
+        hashes = block_hash_list("prepare_load", block_hashes)
         self._loading.update(hashes)
         if self._synthetic is not None:
             self.store.load(hashes, self.salt)
         return RemoteLoadStoreSpec(hashes, self.salt)
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
-        hashes = distinct_hashes("complete_load", block_hashes)
-        absent = [h for h in hashes if self._loading[h] <= 0]
-        if absent:  # (reading a Counter's absent key does not insert it)
-            raise KeyError(f"complete_load: blocks not being loaded: {absent!r}")
+        hashes = block_hash_list("complete_load", block_hashes)
+        # a hash listed k times releases k loads (reading a Counter's absent key
+        # does not insert it)
+        absent = [h for h, n in Counter(hashes).items() if self._loading[h] < n]
+        if absent:
+            raise KeyError(f"complete_load: blocks not being loaded (as often): {absent!r}")
         self._loading.subtract(hashes)
         for h in hashes:
             if self._loading[h] == 0:
@@ -118,7 +123,7 @@ class RemoteOffloadingManager(OffloadingManager):
         Skipping the store while the server is known down saves the engine the
         device-to-host copies of a job that could only fail.
         """
-        hashes = distinct_hashes("prepare_store", block_hashes)
+        hashes = unique_hashes(block_hash_list("prepare_store", block_hashes))
         if self.store.breaker.rejecting():
             hashes = []
         to_store = [h for h in hashes if h not in self._storing]
@@ -126,7 +131,8 @@ class RemoteOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(to_store, RemoteLoadStoreSpec(to_store, self.salt), [])
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
-        hashes = [h for h in block_hashes if h in self._storing]
+        listed = unique_hashes(block_hash_list("complete_store", block_hashes))
+        hashes = [h for h in listed if h in self._storing]
         self._storing.difference_update(hashes)
         if success and self._synthetic is not None and hashes:
             success = self.store.store(hashes, [self._synthetic] * len(hashes), self.salt)

@@ -35,6 +35,15 @@ class ARCCachePolicy(CachePolicy):
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
 
+    # vLLM's names for the two lists (its tests read `len(policy.t1)`, `h in policy.t2`)
+    @property
+    def t1(self) -> RecencyList:
+        return self._t1
+
+    @property
+    def t2(self) -> RecencyList:
+        return self._t2
+
     def get(self, key: BlockHash) -> BlockStatus | None:
         block = self._t1.get(key)
         return self._t2.get(key) if block is None else block

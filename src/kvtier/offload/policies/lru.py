@@ -22,6 +22,11 @@ class LRUCachePolicy(CachePolicy):
     def __len__(self) -> int:
         return len(self._list)
 
+    @property
+    def blocks(self) -> RecencyList:
+        """vLLM's name for the one list (`len(policy.blocks)`, `h in policy.blocks`)."""
+        return self._list
+
     def get(self, key: BlockHash) -> BlockStatus | None:
         return self._list.get(key)
 

@@ -47,6 +47,10 @@ class RecencyList:
     def __contains__(self, key: object) -> bool:
         return key in self.order or key in self.parked
 
+    def __iter__(self) -> Iterator[BlockHash]:
+        """The keys, least recent first (what iterating vLLM's OrderedDict gives)."""
+        return iter(self.keys())
+
     def get(self, key: BlockHash) -> BlockStatus | None:
         block = self.order.get(key)
         return self.parked.get(key) if block is None and self.parked else block
