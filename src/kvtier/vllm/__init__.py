@@ -13,7 +13,10 @@ import importlib
 from typing import Any
 
 # exported name -> the submodule of kvtier.vllm that defines it
-_EXPORTS: dict[str, str] = {}
+_EXPORTS: dict[str, str] = {
+    "KvtierDiskTier": "secondary_tiers",
+    "KvtierRedisTier": "secondary_tiers",
+}
 # name prefix -> the submodule that makes those names on demand (one vLLM cache policy
 # per policy in kvtier's registry, "kvtier_lru", "kvtier_arc", ...: see cache_policies)
 _PREFIXES: dict[str, str] = {"kvtier_": "cache_policies"}
