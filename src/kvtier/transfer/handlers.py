@@ -144,9 +144,11 @@ class StagedHandler:
         self.kv = kv
         self.medium = store
         self._streams = _Streams(kv)
-        on_cpu = kv.device.type == "cpu"
         # Flat byte views of the engine's segments: a block's piece is a slice of one
         # (about 0.1 us), where a numpy row's buffer export costs microseconds per block.
+        # Only for segments stored back to back (vLLM's pages hold K then V, so a plane's
+        # blocks are strided): strided segments go through the staging rows.
+        on_cpu = kv.device.type == "cpu" and all(seg.is_contiguous() for seg in kv.segments)
         self._flat = [seg.numpy().data.cast("B") for seg in kv.segments] if on_cpu else []
         self._seg_bytes = kv.layout.segment_bytes
         self._rows = on_cpu and len(self._flat) == 1

@@ -14,7 +14,9 @@ from typing import Any
 
 # exported name -> the submodule of kvtier.vllm that defines it
 _EXPORTS: dict[str, str] = {
+    "KvtierConnector": "connector",
     "KvtierDiskTier": "secondary_tiers",
+    "KvtierOffloadingSpec": "spec",
     "KvtierRedisTier": "secondary_tiers",
 }
 # name prefix -> the submodule that makes those names on demand (one vLLM cache policy

@@ -1,0 +1,101 @@
+"""`KvtierConnector`: vLLM's OffloadingConnector, plus a way back for failures.
+
+vLLM 0.32's OffloadingConnector asserts that every transfer succeeds: it was written
+for copies between device and host memory, which do not fail. kvtier's lower tiers
+do (a full or corrupt disk, a Redis server that went away), and a figure or an
+answer must never depend on a load that did not happen. This subclass changes only
+that:
+
+- worker side: the spec's worker reports each job done (so vLLM's bookkeeping moves
+  on) and keeps what failed. A failed load's device blocks go to
+  `get_block_ids_with_load_errors`, which vLLM answers, under
+  `"kv_load_failure_policy": "recompute"`, by recomputing from the first of them.
+  The rest of the report (failed store parts, corrupt disk blocks, demotions that
+  never reached the disk) rides to the scheduler in the worker metadata.
+- scheduler side: the report is applied to kvtier's manager before vLLM completes
+  the jobs of the same step, so a failed store is dropped instead of made readable
+  and a corrupt block is forgotten instead of offered again.
+
+Everything else, scheduling included, is vLLM's own code.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+
+from kvtier.vllm.spec import UNDER_KVTIER_CONNECTOR
+from kvtier.vllm.specs import WorkerReport
+from kvtier.vllm.version import check_vllm_version
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KvtierWorkerMetadata(OffloadingWorkerMetadata):
+    report: WorkerReport = field(default_factory=WorkerReport)
+
+    def aggregate(self, other: Any) -> KvtierWorkerMetadata:
+        merged = super().aggregate(other)
+        report = self.report
+        if isinstance(other, KvtierWorkerMetadata):
+            report = report.merge(other.report)
+        return KvtierWorkerMetadata(
+            completed_jobs=merged.completed_jobs,
+            transfer_stats=merged.transfer_stats,
+            report=report,
+        )
+
+
+class KvtierConnector(OffloadingConnector):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        check_vllm_version()
+        token = UNDER_KVTIER_CONNECTOR.set(True)
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            UNDER_KVTIER_CONNECTOR.reset(token)
+        transfer = vllm_config.kv_transfer_config
+        if self.connector_scheduler is not None and transfer.kv_load_failure_policy != "recompute":
+            log.warning(
+                "kvtier: kv_load_failure_policy is %r: a request whose kvtier load fails "
+                "(a corrupt disk block, Redis down) ends with an error instead of being "
+                'recomputed; set "kv_load_failure_policy": "recompute"',
+                transfer.kv_load_failure_policy,
+            )
+
+    def _kvtier_worker(self) -> Any:
+        worker = self.connector_worker.worker if self.connector_worker is not None else None
+        return worker if hasattr(worker, "take_report") else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self._kvtier_worker()
+        return worker.take_load_errors() if worker is not None else set()
+
+    def build_connector_worker_meta(self) -> Any:
+        meta = super().build_connector_worker_meta()
+        worker = self._kvtier_worker()
+        report = worker.take_report() if worker is not None else WorkerReport()
+        if not report:
+            return meta
+        if meta is None:
+            return KvtierWorkerMetadata(report=report)
+        return KvtierWorkerMetadata(
+            completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats, report=report
+        )
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvtierWorkerMetadata) and meta.report:
+            manager = self.scheduler.manager
+            if hasattr(manager, "apply_worker_report"):
+                manager.apply_worker_report(meta.report)
+        super().update_connector_output(connector_output)

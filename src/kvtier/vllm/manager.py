@@ -1,0 +1,262 @@
+"""vLLM's scheduler-side `OffloadingManager` (0.32/0.33) over kvtier's own managers.
+
+An adapter, not a second implementation: every decision (which block to keep,
+evict, demote to disk or promote back) is made by the managers that the replay tool
+and kvtier's vLLM 0.19 interface use, so a replay predicts what an engine does.
+
+- `local` is kvtier's CPU manager (with its policy and `store_threshold` filter), or
+  the CPU -> disk cascade when a disk tier is configured.
+- `remote` is the shared Redis tier's manager with asynchronous lookups: a key whose
+  answer is not in yet is RETRY, so the scheduler asks again on a later step
+  instead of waiting on the network.
+
+vLLM asks about one key at a time, walking a request's chunks in order; a chunk held
+locally is a hit there first. Stores are offered to both tiers (write-through to the
+shared tier, as kvtier's `TierChain` does), and one store job carries each tier's
+part. What the worker reports as failed (a part of a job, a disk block found corrupt,
+a demotion that did not reach the disk) comes back through `KvtierConnector` and is
+applied by `apply_worker_report` before vLLM completes the job, so a failed store is
+never made readable and a corrupt block is forgotten.
+
+Keys: vLLM's `OffloadKey` is a block hash followed by a 4-byte KV-group index. The
+spec accepts one KV-cache group, so kvtier's managers are given the bare block hash
+(byte-identical to kvtier's own `sha256_cbor` hashes) and events get the suffix back.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable, Collection, Iterable
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from kvtier.offload.abstract import OffloadingManager as KvtierManager
+from kvtier.offload.cascade import CascadeOffloadingManager
+from kvtier.types import BlockHash
+from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
+
+GROUP_SUFFIX = (0).to_bytes(4, "big")
+# Where recent lookups found each block, so `prepare_load` does not look again (a
+# lookup is not free of effects: the reuse filter counts it). Bounded: vLLM looks up
+# chunks it may never load.
+MAX_REMEMBERED_HITS = 1 << 16
+# kvtier medium -> (vLLM medium, locality) for vLLM's KV events.
+_MEDIA: dict[str, tuple[Medium, Locality]] = {
+    "CPU": (Medium.CPU, Locality.LOCAL),
+    "DISK": (Medium.STORAGE, Locality.LOCAL),
+    "REMOTE": (Medium.STORAGE, Locality.REMOTE),
+}
+
+
+def block_hash_of(key: OffloadKey) -> BlockHash:
+    if key[-4:] != GROUP_SUFFIX:
+        raise ValueError(
+            f"offload key {bytes(key).hex()} is of KV-cache group "
+            f"{int.from_bytes(key[-4:], 'big')}; KvtierOffloadingSpec serves group 0 only"
+        )
+    return BlockHash(bytes(key[:-4]))
+
+
+def key_of(block_hash: BlockHash) -> OffloadKey:
+    return OffloadKey(block_hash + GROUP_SUFFIX)
+
+
+class KvtierOffloadingManager(OffloadingManager):
+    def __init__(
+        self,
+        local: KvtierManager,
+        remote: KvtierManager | None = None,
+        *,
+        enable_events: bool = False,
+        on_close: Callable[[], None] | None = None,
+        take_discards: Callable[[], list[BlockHash]] | None = None,
+    ) -> None:
+        """`take_discards`: disk files the local tier let go of since the last job (the
+        worker deletes them in order, before the job that may reuse their slots)."""
+        self.local = local
+        self.remote = remote
+        self.enable_events = enable_events
+        self._on_close = on_close
+        self._take_discards = take_discards or list
+        # vLLM completes a load with its keys as a set: loads are found by key set
+        self._loads: defaultdict[frozenset[BlockHash], deque[list[tuple[str, list[BlockHash]]]]]
+        self._loads = defaultdict(deque)
+        self._storing: dict[BlockHash, list[str]] = {}
+        self._found: OrderedDict[BlockHash, str] = OrderedDict()
+        self._failed_stores: set[tuple[str, BlockHash]] = set()
+        self._failed_loads: set[BlockHash] = set()
+        self.load_failures = 0
+        self.store_failures = 0
+
+    def _tier(self, name: str) -> KvtierManager:
+        manager = self.local if name == LOCAL else self.remote
+        if manager is None:
+            raise KeyError(f"no {name} tier configured")
+        return manager
+
+    # --- lookups and loads -------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        block_hash = block_hash_of(key)
+        if self.local.lookup([block_hash]):
+            return self._hit(block_hash, LOCAL)
+        if self.remote is None:
+            return LookupResult.MISS
+        found = self.remote.lookup([block_hash])
+        if found is None:
+            return LookupResult.RETRY
+        return self._hit(block_hash, REMOTE) if found else LookupResult.MISS
+
+    def _hit(self, block_hash: BlockHash, tier: str) -> LookupResult:
+        self._found[block_hash] = tier
+        self._found.move_to_end(block_hash)
+        if len(self._found) > MAX_REMEMBERED_HITS:
+            self._found.popitem(last=False)
+        return LookupResult.HIT
+
+    def _where(self, block_hash: BlockHash) -> str:
+        tier = self._found.pop(block_hash, None)
+        if tier is not None:
+            return tier
+        return LOCAL if self.local.lookup([block_hash]) else REMOTE
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvtierLoadSpec:
+        hashes = [block_hash_of(k) for k in keys]
+        where = [self._where(h) for h in hashes]
+        spec = KvtierLoadSpec(discards=self._take_discards())
+        taken: list[tuple[str, list[BlockHash]]] = []
+        try:
+            for name in (LOCAL, REMOTE):
+                positions = [i for i, w in enumerate(where) if w == name]
+                if positions:
+                    part = [hashes[i] for i in positions]
+                    tier_spec = self._tier(name).prepare_load(part)
+                    taken.append((name, part))
+                    spec.parts.append(Part(name, positions, part, tier_spec))
+        except BaseException:  # a tier refused: unpin what the other took
+            for name, part in taken:
+                self._tier(name).complete_load(part)
+            raise
+        self._loads[frozenset(hashes)].append(taken)
+        return spec
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        hashes = [block_hash_of(k) for k in keys]
+        self.local.touch(hashes)
+        if self.remote is not None:
+            self.remote.touch(hashes)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        hashes = frozenset(block_hash_of(k) for k in keys)
+        pending = self._loads.get(hashes)
+        if not pending:
+            raise KeyError(f"complete_load: no load in flight for these {len(hashes)} blocks")
+        parts = pending.popleft()
+        if not pending:
+            del self._loads[hashes]
+        for name, part in parts:
+            failed = not self._failed_loads.isdisjoint(part)
+            self._failed_loads.difference_update(part)
+            tier = self._tier(name)
+            if isinstance(tier, CascadeOffloadingManager):  # its promotions settle with it
+                tier.complete_load(part, success=not failed)
+            else:
+                tier.complete_load(part)
+
+    # --- stores --------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        hashes = [block_hash_of(k) for k in keys]
+        outputs = [(LOCAL, self.local.prepare_store(hashes))]
+        if self.remote is not None:
+            outputs.append((REMOTE, self.remote.prepare_store(hashes)))
+        if all(out is None for _, out in outputs):
+            return None
+        order: dict[BlockHash, int] = {}
+        for _, out in outputs:
+            if out is not None:
+                for h in out.block_hashes_to_store:
+                    order.setdefault(h, len(order))
+        spec = KvtierStoreSpec(discards=self._take_discards())
+        evicted: list[BlockHash] = []
+        for name, out in outputs:
+            if out is None or not out.block_hashes_to_store:
+                continue
+            part = out.block_hashes_to_store
+            spec.parts.append(Part(name, [order[h] for h in part], part, out.store_spec))
+            for h in part:
+                self._storing.setdefault(h, []).append(name)
+            if name == LOCAL:
+                evicted = out.block_hashes_evicted
+        return PrepareStoreOutput(
+            keys_to_store=[key_of(h) for h in order],
+            store_spec=spec,
+            evicted_keys=[key_of(h) for h in evicted],
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        by_tier: defaultdict[str, list[BlockHash]] = defaultdict(list)
+        for h in map(block_hash_of, keys):
+            for name in self._storing.pop(h, ()):
+                by_tier[name].append(h)
+        for name, hashes in by_tier.items():
+            failed = {h for h in hashes if (name, h) in self._failed_stores}
+            self._failed_stores.difference_update((name, h) for h in failed)
+            ok = [h for h in hashes if h not in failed] if success else []
+            tier = self._tier(name)
+            if ok:
+                tier.complete_store(ok, True)
+            if len(ok) < len(hashes):
+                tier.complete_store([h for h in hashes if h in failed or not success], False)
+
+    # --- what the worker found -------------------------------------------
+
+    def apply_worker_report(self, report: WorkerReport) -> None:
+        """Failures seen by the worker, applied before vLLM completes their jobs."""
+        for name, hashes in report.failed_stores.items():
+            self.store_failures += 1
+            self._failed_stores.update((name, h) for h in hashes)
+        for hashes in report.failed_loads:
+            self.load_failures += 1
+            self._failed_loads.update(hashes)
+        forget = report.corrupt_blocks + report.lost_demotions
+        if forget and isinstance(self.local, CascadeOffloadingManager):
+            self.local.discard_disk_blocks(forget)
+
+    # --- events, lifecycle ---------------------------------------------------
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        tiers = [self.local] if self.remote is None else [self.local, self.remote]
+        for tier in tiers:
+            for event in tier.take_events():
+                if not self.enable_events:
+                    continue
+                medium, locality = _MEDIA.get(event.medium, (Medium.STORAGE, Locality.LOCAL))
+                yield OffloadingEvent(
+                    keys=[key_of(h) for h in event.block_hashes],
+                    medium=medium,
+                    removed=event.removed,
+                    locality=locality,
+                )
+
+    def shutdown(self) -> None:
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None

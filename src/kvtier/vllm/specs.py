@@ -1,0 +1,71 @@
+"""What travels between kvtier's scheduler side and its worker inside vLLM.
+
+A vLLM transfer job covers one list of keys; kvtier may split it between tiers (a
+prefix partly in local memory or on disk, partly in the shared Redis tier), so a
+job's spec is a list of parts, each naming its tier, its positions in the job's key
+(and device block) order, and that tier's own kvtier spec. `discards` are disk files
+the scheduler let go of (evicted or failed): the worker deletes them in job order,
+before any copy of the job that may reuse their slots.
+
+`WorkerReport` is the way back: which parts failed, which disk blocks were found
+corrupt, which demotions never reached the disk. vLLM's own connector has no channel
+for failures (it asserts every transfer succeeded), so `KvtierConnector` carries
+the report in its worker metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.v1.kv_offload.base import LoadStoreSpec
+
+from kvtier.offload.abstract import LoadStoreSpec as KvtierSpec
+from kvtier.types import BlockHash
+
+LOCAL, REMOTE = "local", "remote"
+
+
+@dataclass
+class Part:
+    tier: str
+    positions: list[int]
+    block_hashes: list[BlockHash]
+    spec: KvtierSpec
+
+
+@dataclass
+class KvtierStoreSpec(LoadStoreSpec):
+    parts: list[Part] = field(default_factory=list)
+    discards: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass
+class KvtierLoadSpec(LoadStoreSpec):
+    parts: list[Part] = field(default_factory=list)
+    discards: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass
+class WorkerReport:
+    """Failures since the last report; `merge` sums the reports of several workers."""
+
+    failed_stores: dict[str, list[BlockHash]] = field(default_factory=dict)
+    failed_loads: list[list[BlockHash]] = field(default_factory=list)
+    corrupt_blocks: list[BlockHash] = field(default_factory=list)
+    lost_demotions: list[BlockHash] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.failed_stores or self.failed_loads or self.corrupt_blocks or self.lost_demotions
+        )
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        stores = {k: list(v) for k, v in self.failed_stores.items()}
+        for tier, hashes in other.failed_stores.items():
+            stores.setdefault(tier, []).extend(hashes)
+        return WorkerReport(
+            stores,
+            self.failed_loads + other.failed_loads,
+            self.corrupt_blocks + other.corrupt_blocks,
+            self.lost_demotions + other.lost_demotions,
+        )

@@ -1,0 +1,264 @@
+"""vLLM's worker-side `OffloadingWorker` over kvtier's transfer workers.
+
+vLLM hands the worker its KV caches as canonical tensors, one `[num_blocks,
+page_bytes]` byte view per attention layer, where a block's page is its K plane then
+its V plane. kvtier's data plane cuts caches into per-block segments in the host
+byte order `[layer][K, V][...]`, so each page is cut into its two halves and
+everything below (host slots, the crash-safe disk cascade, Redis) is kvtier's own
+code, run exactly as the replay tool runs it. CPU tensors on the CPU platform; on
+CUDA the same transfer workers use their copy streams, events and pinned memory.
+
+One vLLM job becomes one kvtier job per tier its spec names. The job is done when
+every part is; a failed part is recorded in the `WorkerReport` (and, for loads, its
+device blocks in `take_load_errors`) for `KvtierConnector` to hand to the scheduler
+and to vLLM's recompute path. Under vLLM's own `OffloadingConnector` (no failure
+channel) results carry the real success flag.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvtier.offload.abstract import LoadStoreSpec as KvtierSpec
+from kvtier.store.disk import DiskStore
+from kvtier.store.layout import KVLayout
+from kvtier.store.memory import MemoryStore
+from kvtier.transfer.cascade import CascadeHandler
+from kvtier.transfer.device import DeviceKV
+from kvtier.transfer.worker import TransferWorker
+from kvtier.types import BlockHash
+from kvtier.vllm.config import KvtierVllmConfig
+from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
+
+log = logging.getLogger(__name__)
+
+
+class CanonicalDeviceKV(DeviceKV):
+    """vLLM's canonical caches as kvtier's per-block segments (a K and a V half per page)."""
+
+    def __init__(self, layout: KVLayout, kv_caches: CanonicalKVCaches) -> None:
+        tensors = [t.tensor for t in kv_caches.tensors]
+        if len(tensors) != layout.num_layers:
+            raise ValueError(
+                f"vLLM registered {len(tensors)} KV cache tensors, the layout expects "
+                f"{layout.num_layers} (one per attention layer)"
+            )
+        page = 2 * layout.segment_bytes
+        num_blocks = int(tensors[0].shape[0])
+        for t in tensors:
+            if tuple(t.shape) != (num_blocks, page) or t.stride() != (page, 1):
+                raise ValueError(
+                    f"KV cache tensor of shape {tuple(t.shape)} strides {t.stride()}: kvtier "
+                    f"needs [{num_blocks}, {page}] pages laid out one after another"
+                )
+        self.layout = layout
+        self.caches = tensors
+        self.device = tensors[0].device
+        self.num_blocks = num_blocks
+        halves = [t.view(torch.uint8).view(num_blocks, 2, layout.segment_bytes) for t in tensors]
+        self.segments = [half[:, i] for half in halves for i in (0, 1)]
+        self.is_cuda = self.device.type == "cuda"
+        self.arrays: list[npt.NDArray[np.uint8]] = (
+            [] if self.is_cuda else [seg.numpy() for seg in self.segments]
+        )
+
+
+@dataclass(frozen=True)
+class DiscardSpec(KvtierSpec):
+    """Delete these disk files: run as a job of the ordered cascade worker."""
+
+    block_hashes: list[BlockHash]
+
+    @staticmethod
+    def medium() -> str:
+        return "DISK"
+
+
+class _CascadeHandler(CascadeHandler):
+    def store(self, device_ids: npt.NDArray[np.int64], spec: KvtierSpec, ready: Any) -> int:
+        if isinstance(spec, DiscardSpec):
+            self.disk.discard(spec.block_hashes)
+            return 0
+        return super().store(device_ids, spec, ready)
+
+
+@dataclass
+class _Job:
+    """A vLLM job: its kvtier parts still running, and how it went so far."""
+
+    is_load: bool
+    device_ids: npt.NDArray[np.int64]
+    waiting: dict[int, Part] = field(default_factory=dict)
+    ok: bool = True
+    bytes: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class KvtierOffloadingWorker(OffloadingWorker):
+    def __init__(
+        self,
+        config: KvtierVllmConfig,
+        layout: KVLayout,
+        kv_caches: CanonicalKVCaches,
+        *,
+        num_cpu_slots: int,
+        num_disk_blocks: int = 0,
+        remote: Any = None,
+        report_failures: bool = True,
+    ) -> None:
+        """`remote`: a `RemoteTier` opened for `layout` (closed by `shutdown`);
+        `report_failures`: failures go to the report (KvtierConnector) rather than into
+        the results, which vLLM's own connector asserts are all successful."""
+        self.kv = CanonicalDeviceKV(layout, kv_caches)
+        self.memory = MemoryStore(layout, num_cpu_slots, checksums=config.cpu_checksums)
+        self.report_failures = report_failures
+        self.disk: DiskStore | None = None
+        self._handler: _CascadeHandler | None = None
+        self.remote_tier = remote
+        self.workers: dict[str, TransferWorker] = {}
+        try:
+            if config.disk_path is not None:
+                self.disk = DiskStore(
+                    config.disk_path,
+                    layout,
+                    DiskStore.capacity_for(layout, num_disk_blocks),
+                    fsync=config.disk_fsync,
+                    io_threads=config.disk_io_threads,
+                )
+                self._handler = _CascadeHandler(self.kv, self.memory, self.disk)
+                self.workers[LOCAL] = TransferWorker(self._handler, ordered=True)
+            else:
+                self.workers[LOCAL] = TransferWorker.for_store(self.kv, self.memory)
+            if remote is not None:
+                self.workers[REMOTE] = TransferWorker.for_store(self.kv, remote.kv_store(layout))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._sub_ids = itertools.count()
+        self._jobs: dict[int, _Job] = {}
+        self._owner: dict[tuple[str, int], int] = {}  # (tier, kvtier job id) -> vLLM job id
+        self._results: list[TransferResult] = []
+        self._lock = threading.Lock()
+        self._report = WorkerReport()
+        self._load_errors: set[int] = set()
+
+    # --- submission ----------------------------------------------------------
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        return self._submit(job_id, False, src_spec, dst_spec)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self._submit(job_id, True, dst_spec, src_spec)
+
+    def _submit(self, job_id: int, is_load: bool, gpu: GPULoadStoreSpec, spec: Any) -> bool:
+        if not isinstance(spec, KvtierStoreSpec | KvtierLoadSpec):
+            raise TypeError(f"KvtierOffloadingWorker got a {type(spec).__name__} spec")
+        device_ids = np.asarray(gpu.block_ids, dtype=np.int64)
+        if spec.discards and self._handler is not None:  # in order, before this job
+            self.workers[LOCAL].submit_store(next(self._sub_ids), [], DiscardSpec(spec.discards))
+        job = _Job(is_load, device_ids)
+        subs = [(next(self._sub_ids), part) for part in spec.parts]
+        with self._lock:
+            self._jobs[job_id] = job
+            for sub, part in subs:
+                job.waiting[sub] = part
+                self._owner[part.tier, sub] = job_id
+            if not subs:
+                self._finish(job_id, job)
+        for sub, part in subs:
+            worker = self.workers[part.tier]
+            ids = device_ids[part.positions]
+            if is_load:
+                worker.submit_load(sub, part.spec, ids)
+            else:
+                worker.submit_store(sub, ids, part.spec)
+        return True
+
+    # --- results -------------------------------------------------------------
+
+    def get_finished(self) -> list[TransferResult]:
+        for tier, worker in self.workers.items():
+            for result in worker.get_finished():
+                self._settle(tier, result.job_id, result.ok, result.bytes)
+        if self.disk is not None:
+            corrupt = self.disk.take_dropped()
+            lost = self._handler.take_lost() if self._handler is not None else []
+            with self._lock:
+                self._report.corrupt_blocks += corrupt
+                self._report.lost_demotions += lost
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def _settle(self, tier: str, sub: int, ok: bool, nbytes: int) -> None:
+        with self._lock:
+            job_id = self._owner.pop((tier, sub), None)
+            if job_id is None:
+                return  # a discard job
+            job = self._jobs[job_id]
+            part = job.waiting.pop(sub)
+            job.bytes += nbytes
+            if not ok:
+                job.ok = False
+                if job.is_load:
+                    self._report.failed_loads.append(part.block_hashes)
+                    self._load_errors.update(int(i) for i in job.device_ids[part.positions])
+                else:
+                    self._report.failed_stores.setdefault(tier, []).extend(part.block_hashes)
+            if not job.waiting:
+                self._finish(job_id, job)
+
+    def _finish(self, job_id: int, job: _Job) -> None:
+        del self._jobs[job_id]
+        success = job.ok or self.report_failures
+        seconds = time.perf_counter() - job.started
+        self._results.append(TransferResult(job_id, success, job.bytes, seconds))
+
+    def take_report(self) -> WorkerReport:
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
+        return report
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._lock:
+            subs = {
+                (part.tier, sub)
+                for job_id in job_ids
+                if (job := self._jobs.get(job_id)) is not None
+                for sub, part in job.waiting.items()
+            }
+        for tier, worker in self.workers.items():
+            worker.wait([sub for t, sub in subs if t == tier])
+
+    def shutdown(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        self.workers = {}
+        if self.disk is not None:
+            self.disk.close()
+        if self.remote_tier is not None:
+            self.remote_tier.close()
+            self.remote_tier = None
