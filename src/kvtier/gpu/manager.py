@@ -195,9 +195,10 @@ class KVCacheManager:
 
         Returns the new blocks (empty when the current ones have room), or None when the
         pool cannot hold them (nothing changed). With a sliding window, blocks that fell
-        out of the window are released first.
+        out of the window are released first. `num_tokens=0` is accepted, as in vLLM's
+        seed (a scheduler step that schedules no token for the request): no new block.
         """
-        positive_int("num_tokens", num_tokens)
+        positive_int("num_tokens", num_tokens, minimum=0)
         blocks = self._blocks_of(request.request_id)
         num_computed_tokens = request.num_computed_tokens + num_tokens
         self._check_length(request, num_computed_tokens)
@@ -225,16 +226,25 @@ class KVCacheManager:
         return new_blocks
 
     def free(self, request: Request) -> None:
-        """Release a finished request's blocks, tail first (its end is evicted first)."""
+        """Release a finished request's blocks, tail first (its end is evicted first).
+
+        As in vLLM's seed: a request that holds no blocks (aborted while waiting,
+        or freed already) is nothing to do, and with caching disabled the blocks go
+        back in table order (no cached tail to keep longer).
+        """
         blocks = self._req_blocks.pop(request.request_id, None)
         if blocks is None:
-            self._blocks_of(request.request_id)  # raises the KeyError with context
             return
         del self._num_cached_blocks[request.request_id]
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(blocks) if self.enable_caching else blocks)
 
     def preempt(self, request: Request) -> None:
-        """Free a running request to make room; it keeps its hashes and starts over."""
+        """Free a running request to make room; it keeps its hashes and starts over.
+
+        Unlike `free`, a request without blocks is refused (KeyError): preempting a
+        request that is not running is a scheduler bug, and this call would count it.
+        """
+        self._blocks_of(request.request_id)
         self.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
