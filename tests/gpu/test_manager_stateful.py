@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
