@@ -25,6 +25,7 @@ spec accepts one KV-cache group, so kvtier's managers are given the bare block h
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
 
@@ -50,6 +51,11 @@ GROUP_SUFFIX = (0).to_bytes(4, "big")
 # lookup is not free of effects: the reuse filter counts it). Bounded: vLLM looks up
 # chunks it may never load.
 MAX_REMEMBERED_HITS = 1 << 16
+# How long a Redis hit answers later lookups of the same block. vLLM asks key by key
+# and step by step until every key of a prefix has its answer; an asynchronous answer
+# is read once, so without this a prefix whose answers arrive over several steps
+# could be asked about forever. A block Redis evicted since fails its load: a recompute.
+REMOTE_HIT_TTL_S = 2.0
 # kvtier medium -> (vLLM medium, locality) for vLLM's KV events.
 _MEDIA: dict[str, tuple[Medium, Locality]] = {
     "CPU": (Medium.CPU, Locality.LOCAL),
@@ -80,6 +86,7 @@ class KvtierOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         on_close: Callable[[], None] | None = None,
         take_discards: Callable[[], list[BlockHash]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`take_discards`: disk files the local tier let go of since the last job (the
         worker deletes them in order, before the job that may reuse their slots)."""
@@ -92,9 +99,11 @@ class KvtierOffloadingManager(OffloadingManager):
         self._loads: defaultdict[frozenset[BlockHash], deque[list[tuple[str, list[BlockHash]]]]]
         self._loads = defaultdict(deque)
         self._storing: dict[BlockHash, list[str]] = {}
-        self._found: OrderedDict[BlockHash, str] = OrderedDict()
+        self._found: OrderedDict[BlockHash, tuple[str, float]] = OrderedDict()
+        self._clock = clock
         self._failed_stores: set[tuple[str, BlockHash]] = set()
         self._failed_loads: set[BlockHash] = set()
+        self._to_forget: set[BlockHash] = set()
         self.load_failures = 0
         self.store_failures = 0
 
@@ -115,22 +124,25 @@ class KvtierOffloadingManager(OffloadingManager):
             return self._hit(block_hash, LOCAL)
         if self.remote is None:
             return LookupResult.MISS
+        known = self._found.get(block_hash)
+        if known is not None and known[0] == REMOTE and self._clock() - known[1] < REMOTE_HIT_TTL_S:
+            return LookupResult.HIT
         found = self.remote.lookup([block_hash])
         if found is None:
             return LookupResult.RETRY
         return self._hit(block_hash, REMOTE) if found else LookupResult.MISS
 
     def _hit(self, block_hash: BlockHash, tier: str) -> LookupResult:
-        self._found[block_hash] = tier
+        self._found[block_hash] = (tier, self._clock())
         self._found.move_to_end(block_hash)
         if len(self._found) > MAX_REMEMBERED_HITS:
             self._found.popitem(last=False)
         return LookupResult.HIT
 
     def _where(self, block_hash: BlockHash) -> str:
-        tier = self._found.pop(block_hash, None)
-        if tier is not None:
-            return tier
+        known = self._found.pop(block_hash, None)
+        if known is not None:
+            return known[0]
         return LOCAL if self.local.lookup([block_hash]) else REMOTE
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvtierLoadSpec:
@@ -175,6 +187,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 tier.complete_load(part, success=not failed)
             else:
                 tier.complete_load(part)
+        self._forget()
 
     # --- stores --------------------------------------------------------------
 
@@ -236,9 +249,17 @@ class KvtierOffloadingManager(OffloadingManager):
         for hashes in report.failed_loads:
             self.load_failures += 1
             self._failed_loads.update(hashes)
-        forget = report.corrupt_blocks + report.lost_demotions
-        if forget and isinstance(self.local, CascadeOffloadingManager):
-            self.local.discard_disk_blocks(forget)
+        self._to_forget.update(report.corrupt_blocks + report.lost_demotions)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop lost disk blocks; one still pinned by its failed load goes at its completion."""
+        if self._to_forget and isinstance(self.local, CascadeOffloadingManager):
+            self.local.discard_disk_blocks(list(self._to_forget))
+            self._to_forget = {h for h in self._to_forget if h in self._pinned()}
+
+    def _pinned(self) -> set[BlockHash]:
+        return {h for parts in self._loads.values() for taken in parts for _, p in taken for h in p}
 
     # --- events, lifecycle ---------------------------------------------------
 

@@ -1,0 +1,286 @@
+"""KvtierOffloadingSpec in process: its scheduler-side manager and its worker, driven as
+vLLM's offloading connector drives them, over canonical KV caches made here.
+
+Each test plays one engine (or two, sharing a disk directory or a Redis server): a
+"compute" fills device blocks with random bytes, a store job copies them out, the
+device blocks are overwritten, and a load job must bring the same bytes back into
+other device blocks. Faults (a corrupt block file, a killed Redis) must end as a
+failed load with the job's device blocks reported for recompute, and the manager
+must stop offering the lost blocks. No sleeps: every step waits for its jobs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.remote.conftest import RedisServer, serve_redis
+from tests.vllm.needs_vllm import quiet, require_vllm
+
+require_vllm()
+
+with quiet():
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        LookupResult,
+        Medium,
+        ReqContext,
+        make_offload_key,
+    )
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    from kvtier.vllm.connector import KvtierWorkerMetadata
+    from kvtier.vllm.spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
+
+LAYERS, TOKENS, PAGE = 2, 32, 2048  # page: one layer's K and V of one block
+DEVICE_BLOCKS = 16
+BLOCK_BYTES = LAYERS * PAGE
+_engines = itertools.count()
+
+
+def offloading_config(extra: dict[str, Any], events: bool = False) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(TOKENS, tuple(f"l{i}" for i in range(LAYERS)), 0),),
+        worker_kv_bytes_per_block=BLOCK_BYTES,
+        enable_kv_cache_events=events,
+        extra_config={"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm"}
+        | extra,
+        engine_id=f"kvtier-test-{os.getpid()}-{next(_engines)}",
+        model=OffloadingModelConfig(name="tiny-test-model", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=TOKENS, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+class Engine:
+    """One engine's scheduler-side manager and worker (as KvtierConnector builds them)."""
+
+    def __init__(self, extra: dict[str, Any], events: bool = False) -> None:
+        token = UNDER_KVTIER_CONNECTOR.set(True)
+        try:
+            self.worker_spec = KvtierOffloadingSpec(offloading_config(extra, events))
+            self.scheduler_spec = KvtierOffloadingSpec(offloading_config(extra, events))
+        finally:
+            UNDER_KVTIER_CONNECTOR.reset(token)
+        self.pages = [torch.zeros(DEVICE_BLOCKS, PAGE, dtype=torch.int8) for _ in range(LAYERS)]
+        caches = CanonicalKVCaches(
+            [CanonicalKVCacheTensor(t, PAGE) for t in self.pages],
+            [[CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]],
+        )
+        self.worker = self.worker_spec.get_worker(caches)  # the worker opens the disk first
+        self.manager = self.scheduler_spec.get_manager()
+        self.jobs = itertools.count()
+        self.ctx = ReqContext(req_id="r")
+
+    def compute(self, device_ids: list[int], seed: int) -> dict[int, bytes]:
+        rng = np.random.default_rng(seed)
+        for page in self.pages:
+            for i in device_ids:
+                page[i] = torch.from_numpy(rng.integers(-128, 128, PAGE, dtype=np.int8))
+        return {i: self.block_bytes(i) for i in device_ids}
+
+    def block_bytes(self, device_id: int) -> bytes:
+        return b"".join(page[device_id].numpy().tobytes() for page in self.pages)
+
+    def run(self, job_id: int) -> tuple[bool, Any]:
+        """Wait for a job; its result and the report as the scheduler would receive it."""
+        self.worker.wait({job_id})
+        (result,) = [r for r in self.worker.get_finished() if r.job_id == job_id]
+        meta = KvtierWorkerMetadata(report=self.worker.take_report())
+        if meta.report:
+            self.manager.apply_worker_report(meta.report)
+        return result.success, meta.report
+
+    def store(self, keys: list[bytes], device_ids: list[int]) -> list[bytes]:
+        out = self.manager.prepare_store(keys, self.ctx)
+        assert out is not None
+        ids = [device_ids[keys.index(k)] for k in out.keys_to_store]
+        job = next(self.jobs)
+        self.worker.submit_store(job, GPULoadStoreSpec(ids, [len(ids)], [0]), out.store_spec)
+        ok, _ = self.run(job)
+        assert ok
+        self.manager.complete_store(out.keys_to_store, self.ctx)
+        return list(out.keys_to_store)
+
+    def hits(self, keys: list[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if self.manager.lookup(k, self.ctx) is not LookupResult.HIT:
+                break
+            n += 1
+        return n
+
+    def load(self, keys: list[bytes], device_ids: list[int]) -> tuple[set[int], Any]:
+        """Load into `device_ids`; the device blocks reported for recompute, and the report."""
+        spec = self.manager.prepare_load(keys, self.ctx)
+        job = next(self.jobs)
+        self.worker.submit_load(job, spec, GPULoadStoreSpec(device_ids, [len(device_ids)], [0]))
+        ok, report = self.run(job)
+        assert ok  # under KvtierConnector every job completes; failures go to the report
+        errors = self.worker.take_load_errors()
+        self.manager.complete_load(set(keys), self.ctx)
+        return errors, report
+
+    def close(self) -> None:
+        self.manager.shutdown()
+        self.worker.shutdown()
+
+
+def keys_of(n: int, start: int = 0) -> list[bytes]:
+    return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + n)]
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def test_cpu_tier_round_trip_and_events(engines: list[Engine]) -> None:
+    engine = Engine({"cpu_bytes_to_use": 4 * BLOCK_BYTES}, events=True)
+    engines.append(engine)
+    keys = keys_of(6)
+    data = engine.compute(list(range(6)), seed=1)
+    engine.store(keys[:4], [0, 1, 2, 3])
+    assert engine.hits(keys) == 4
+    engine.store(keys[4:], [4, 5])  # evicts the two least recent (keys 0, 1)
+    assert engine.hits(keys) == 0 and engine.hits(keys[2:]) == 4
+    engine.compute(list(range(DEVICE_BLOCKS)), seed=2)  # the device forgets
+    errors, report = engine.load(keys[2:], [9, 10, 11, 12])
+    assert not errors and not report
+    assert [engine.block_bytes(i) for i in (9, 10, 11, 12)] == [data[i] for i in (2, 3, 4, 5)]
+    events = list(engine.manager.take_events())
+    assert {e.medium for e in events} == {Medium.CPU}
+    stored = [k for e in events if not e.removed for k in e.keys]
+    removed = [k for e in events if e.removed for k in e.keys]
+    assert stored == keys and removed == keys[:2]
+
+
+def test_disk_restart_and_corrupt_block(engines: list[Engine], tmp_path: Path) -> None:
+    extra = {
+        "cpu_bytes_to_use": 2 * BLOCK_BYTES,
+        "disk_path": str(tmp_path),
+        "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
+        "disk_writes": "write_through",
+    }
+    first = Engine(extra)
+    keys = keys_of(5)
+    data = first.compute(list(range(5)), seed=3)
+    first.store(keys, list(range(5)))
+    first.close()
+
+    second = Engine(extra)  # another engine, after the first exited
+    engines.append(second)
+    assert second.hits(keys) == 5
+    errors, report = second.load(keys, list(range(10, 15)))
+    assert not errors and not report
+    assert [second.block_bytes(i) for i in range(10, 15)] == list(data.values())
+
+    # corrupt one block file that is only on disk (the CPU tier holds the last two loads)
+    victim = next(k for k in keys if not second.manager.local.cpu.lookup([k[:-4]]))
+    files = list(tmp_path.glob(f"kvtier-*/*{victim[:-4].hex()}*"))
+    assert len(files) == 1
+    raw = bytearray(files[0].read_bytes())
+    raw[-1] ^= 0xFF
+    files[0].write_bytes(bytes(raw))
+    position = keys.index(victim)
+    errors, report = second.load([victim], [7])
+    assert errors == {7}  # vLLM recomputes from this device block
+    assert report.failed_loads == [[victim[:-4]]] and report.corrupt_blocks == [victim[:-4]]
+    assert second.manager.load_failures == 1
+    assert second.manager.lookup(victim, second.ctx) is LookupResult.MISS  # forgotten
+    assert second.hits(keys) == position
+
+
+def test_redis_shared_between_engines_and_killed(engines: list[Engine], tmp_path: Path) -> None:
+    server_cm = serve_redis(tmp_path)
+    server: RedisServer = next(server_cm)
+    try:
+        extra = {"cpu_bytes_to_use": 2 * BLOCK_BYTES, "redis_url": server.url}
+        writer, reader = Engine(extra), Engine(extra)
+        engines += [writer, reader]
+        keys = keys_of(4, start=100)
+        data = writer.compute(list(range(4)), seed=4)
+        writer.store(keys, list(range(4)))
+
+        assert reader.manager.lookup(keys[0], reader.ctx) is LookupResult.RETRY  # asked async
+        assert reader.manager.remote.wait_lookups(timeout=30)
+        assert reader.hits(keys[:1]) == 1
+        for k in keys[1:]:
+            reader.manager.lookup(k, reader.ctx)
+        assert reader.manager.remote.wait_lookups(timeout=30)
+        assert reader.hits(keys) == 4
+        errors, _ = reader.load(keys, [8, 9, 10, 11])
+        assert not errors
+        assert [reader.block_bytes(i) for i in (8, 9, 10, 11)] == list(data.values())
+
+        # the server dies between the lookup and the load: a failed load, nothing raises
+        more = keys_of(2, start=200)
+        writer.compute([0, 1], seed=5)
+        writer.store(more, [0, 1])
+        for k in more:
+            reader.manager.lookup(k, reader.ctx)
+        assert reader.manager.remote.wait_lookups(timeout=30)
+        assert reader.hits(more) == 2
+        server.kill()
+        errors, report = reader.load(more, [12, 13])
+        assert errors == {12, 13} and report.failed_loads == [[k[:-4] for k in more]]
+        writer.compute([2], seed=6)
+        stored = writer.store(keys_of(1, start=300), [2])  # the CPU part still stores
+        assert stored
+    finally:
+        next(server_cm, None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({}, "needs 'cpu_bytes_to_use'"),
+        ({"cpu_bytes_to_use": 1 << 20, "cpu_byte_to_use": 1}, "unknown kv_connector_extra_config"),
+        ({"cpu_bytes_to_use": -5}, "must be an integer >= 1, got -5"),
+        ({"cpu_bytes_to_use": 1 << 20, "eviction_policy": "lfu9"}, "unknown cache policy 'lfu9'"),
+        ({"cpu_bytes_to_use": 1 << 20, "disk_path": "/tmp/x"}, "but not 'disk_bytes_to_use'"),
+        ({"cpu_bytes_to_use": 1 << 20, "redis_url": "http://x"}, "must start with redis://"),
+        ({"cpu_bytes_to_use": 1 << 20, "max_tracker_size": 5}, "does not apply"),
+        ({"cpu_bytes_to_use": 10}, "below one block of this model"),
+    ],
+)
+def test_bad_config_fails_at_start(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KvtierOffloadingSpec(offloading_config(extra))
+
+
+def test_failure_prone_tiers_need_kvtier_connector(tmp_path: Path) -> None:
+    extra = {"cpu_bytes_to_use": 1 << 20, "disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 24}
+    with pytest.raises(ValueError, match='"kv_connector": "KvtierConnector"'):
+        KvtierOffloadingSpec(offloading_config(extra))
+    KvtierOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}))  # CPU only: fine
