@@ -64,8 +64,11 @@ _MEDIA: dict[str, tuple[Medium, Locality]] = {
 }
 
 
+_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+
+
 def block_hash_of(key: OffloadKey) -> BlockHash:
-    if key[-4:] != GROUP_SUFFIX:
+    if not key.endswith(GROUP_SUFFIX):
         raise ValueError(
             f"offload key {bytes(key).hex()} is of KV-cache group "
             f"{int.from_bytes(key[-4:], 'big')}; KvtierOffloadingSpec serves group 0 only"
@@ -91,6 +94,10 @@ class KvtierOffloadingManager(OffloadingManager):
         """`take_discards`: disk files the local tier let go of since the last job (the
         worker deletes them in order, before the job that may reuse their slots)."""
         self.local = local
+        lookup_one = getattr(local, "lookup_one", None)  # the CPU manager's, list-free
+        self._local_hit: Callable[[BlockHash], bool] = lookup_one or (
+            lambda block_hash: bool(local.lookup([block_hash]))
+        )
         self.remote = remote
         self.enable_events = enable_events
         self._on_close = on_close
@@ -119,11 +126,13 @@ class KvtierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        block_hash = block_hash_of(key)
-        if self.local.lookup([block_hash]):
+        if not key.endswith(GROUP_SUFFIX):
+            block_hash_of(key)  # raises, naming the group
+        block_hash: BlockHash = key[:-4]
+        if self.remote is None:  # the hot path: one tier, nothing to remember
+            return _HIT if self._local_hit(block_hash) else _MISS
+        if self._local_hit(block_hash):
             return self._hit(block_hash, LOCAL)
-        if self.remote is None:
-            return LookupResult.MISS
         known = self._found.get(block_hash)
         if known is not None and known[0] == REMOTE and self._clock() - known[1] < REMOTE_HIT_TTL_S:
             return LookupResult.HIT
@@ -143,11 +152,13 @@ class KvtierOffloadingManager(OffloadingManager):
         known = self._found.pop(block_hash, None)
         if known is not None:
             return known[0]
-        return LOCAL if self.local.lookup([block_hash]) else REMOTE
+        return LOCAL if self._local_hit(block_hash) else REMOTE
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvtierLoadSpec:
         hashes = [block_hash_of(k) for k in keys]
-        where = [self._where(h) for h in hashes]
+        where = (
+            [self._where(h) for h in hashes] if self.remote is not None else [LOCAL] * len(hashes)
+        )
         spec = KvtierLoadSpec(discards=self._take_discards())
         taken: list[tuple[str, list[BlockHash]]] = []
         try:
