@@ -136,6 +136,10 @@ class Round:
     max_tokens: int = 4
     logprobs: int = 2
     name: str = ""
+    # faults injected before the round, while the engine runs: ("kill", PID) sends
+    # SIGKILL to a process (a Redis server), ("corrupt", GLOB) flips the last byte of
+    # every file matching GLOB (disk block files)
+    before: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ vLLM spawns its engine processes, hence the `__main__` guard.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,7 +46,24 @@ def serve(job: dict[str, Any]) -> dict[str, Any]:
     return {"start_s": start_s, "rounds": rounds}
 
 
+def _inject(faults: list[list[str]]) -> None:
+    """The round's faults (see `Round.before`), injected while the engine runs."""
+    for action, arg in faults:
+        if action == "kill":
+            os.kill(int(arg), signal.SIGKILL)
+        elif action == "corrupt":
+            for path in glob.glob(arg):
+                with open(path, "r+b") as file:
+                    file.seek(-1, os.SEEK_END)
+                    last = file.read(1)
+                    file.seek(-1, os.SEEK_END)
+                    file.write(bytes([last[0] ^ 0xFF]))
+        else:
+            raise ValueError(f"unknown fault {action!r}; known: kill, corrupt")
+
+
 def _serve_round(llm: Any, rnd: dict[str, Any], params: Any, prompt: Any) -> list[dict[str, Any]]:
+    _inject(rnd.get("before", []))
     sampling = params(
         max_tokens=rnd["max_tokens"],
         temperature=0.0,

@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "KvtierDiskTier": "secondary_tiers",
     "KvtierOffloadingSpec": "spec",
     "KvtierRedisTier": "secondary_tiers",
+    "transfer_config": "config",
 }
 # name prefix -> the submodule that makes those names on demand (one vLLM cache policy
 # per policy in kvtier's registry, "kvtier_lru", "kvtier_arc", ...: see cache_policies)

@@ -157,3 +157,22 @@ def _check_combination(config: KvtierVllmConfig) -> None:
             "kv_connector_extra_config['redis_url'] must start with redis:// or rediss://, "
             "got a URL with another scheme"
         )
+
+
+def transfer_config(**extra_config: Any) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` that turns kvtier on, with these extra-config keys.
+
+    `LLM(model, kv_transfer_config=transfer_config(cpu_bytes_to_use=8_000_000_000))`, or
+    the same dict as JSON after `vllm serve --kv-transfer-config`. The keys are checked
+    here already, so a typo fails before an engine starts.
+    """
+    extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm"}
+    extra |= extra_config
+    parse_extra_config(extra)
+    return {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }

@@ -25,6 +25,7 @@ spec accepts one KV-cache group, so kvtier's managers are given the bare block h
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
@@ -45,6 +46,8 @@ from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.offload.cascade import CascadeOffloadingManager
 from kvtier.types import BlockHash
 from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
+
+log = logging.getLogger(__name__)
 
 GROUP_SUFFIX = (0).to_bytes(4, "big")
 # Where recent lookups found each block, so `prepare_load` does not look again (a
@@ -257,9 +260,13 @@ class KvtierOffloadingManager(OffloadingManager):
         for name, hashes in report.failed_stores.items():
             self.store_failures += 1
             self._failed_stores.update((name, h) for h in hashes)
+            log.warning("kvtier: a %s store of %d blocks failed (not kept)", name, len(hashes))
         for hashes in report.failed_loads:
             self.load_failures += 1
             self._failed_loads.update(hashes)
+            log.warning("kvtier: a load of %d blocks failed; vLLM recomputes them", len(hashes))
+        if report.corrupt_blocks:
+            log.warning("kvtier: %d corrupt disk blocks dropped", len(report.corrupt_blocks))
         self._to_forget.update(report.corrupt_blocks + report.lost_demotions)
         self._forget()
 
