@@ -21,7 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.engine import TINY, EngineJob, JobResult, run_job, vllm_available, write_model
+from kvtier.vllm import transfer_config
+from tests.vllm.engine import (
+    TINY,
+    EngineJob,
+    JobResult,
+    run_job,
+    vllm_available,
+    write_model,
+)
 from tests.vllm.engine_events import KVEvent, KVEventSubscriber
 from tests.vllm.engine_workloads import overflow_job
 
@@ -100,3 +108,10 @@ def tiny_model(engine_runs: EngineRuns) -> Path:
 def baseline_run(engine_runs: EngineRuns, tiny_model: Path) -> EngineRun:
     """vLLM's own engine (no connector) on the overflow workload, with KV events."""
     return engine_runs.run("baseline", overflow_job(tiny_model, TINY.vocab), events=True)
+
+
+@pytest.fixture(scope="session")
+def kvtier_cpu_run(engine_runs: EngineRuns, tiny_model: Path) -> EngineRun:
+    """The same workload with kvtier's CPU tier behind vLLM's offloading connector."""
+    config = transfer_config(cpu_bytes_to_use=64 << 20)
+    return engine_runs.run("kvtier-cpu", overflow_job(tiny_model, TINY.vocab, config), events=True)

@@ -140,6 +140,9 @@ class Round:
     # SIGKILL to a process (a Redis server), ("corrupt", GLOB) flips the last byte of
     # every file matching GLOB (disk block files)
     before: tuple[tuple[str, str], ...] = ()
+    # benchmarks only: idle seconds before the round, for asynchronous stores to finish
+    # so that they do not share the CPU with the round's timed requests
+    settle_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,7 @@ class EngineJob:
             "num_gpu_blocks_override": self.num_blocks,
             # An explicit KV size skips vLLM's check that 92% of the node's memory is
             # free (it never is on a shared machine); the override then sets the pool.
-            "kv_cache_memory_bytes": 256 << 20,
+            "kv_cache_memory_bytes": 1 << 30,
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": True,
             "enforce_eager": True,

@@ -72,6 +72,7 @@ def _serve_round(llm: Any, rnd: dict[str, Any], params: Any, prompt: Any) -> lis
         ignore_eos=True,
     )
     results = []
+    time.sleep(rnd["settle_s"])
     for ids in rnd["prompts"]:
         submitted = time.perf_counter()
         (out,) = llm.generate([prompt(prompt_token_ids=list(ids))], sampling, use_tqdm=False)
