@@ -121,13 +121,14 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         """Pin each listed block once per listing, as vLLM does (a hash listed twice is
         loaded into two places, and `complete_load` of the same list releases both)."""
-        hashes = block_hash_list("prepare_load", block_hashes)
-        blocks: list[Any] = self._get_many(hashes)
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        blocks: list[Any] = self._blocks_of("prepare_load", hashes)
         for i, block in enumerate(blocks):
             if block is None or block.ref_cnt < 0:
                 error = _not_loadable("prepare_load", hashes[i], block)
                 for pinned in blocks[:i]:  # undo: the state is unchanged after an error
                     pinned.ref_cnt -= 1
+                block_hash_list("prepare_load", hashes)  # a key that is not bytes: say so
                 raise error
             block.ref_cnt += 1
         self._loaded += len(blocks)
@@ -138,27 +139,48 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         """Unpin; a hash listed k times releases k loads (an error if fewer are in flight)."""
-        hashes = block_hash_list("complete_load", block_hashes)
-        blocks: list[Any] = self._get_many(hashes)
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        blocks: list[Any] = self._blocks_of("complete_load", hashes)
         for i, block in enumerate(blocks):
             if block is None or block.ref_cnt <= 0:
                 error = _not_loadable("complete_load", hashes[i], block)
                 for released in blocks[:i]:  # undo: the state is unchanged after an error
                     released.ref_cnt += 1
+                block_hash_list("complete_load", hashes)  # a key that is not bytes: say so
                 raise error
             block.ref_cnt -= 1
         self._mark_evictable(hashes)
+
+    def _blocks_of(self, call: str, hashes: list[BlockHash]) -> list[BlockStatus | None]:
+        """The policy's blocks for `hashes`; ValueError naming an unhashable key.
+
+        Keys are checked only where a call fails or stores: a stored key is bytes
+        (`prepare_store` refuses others), so a call whose blocks are all found needs
+        no check, and the hot path pays nothing for it.
+        """
+        try:
+            return self._get_many(hashes)
+        except TypeError:
+            block_hash_list(call, hashes)  # raises ValueError naming the key
+            raise
 
     # --- writing -----------------------------------------------------------
 
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
         """A hash listed twice is stored once (vLLM would give it a second slot)."""
-        hashes = unique_hashes(block_hash_list("prepare_store", block_hashes))
-        protected = set(hashes)
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        try:
+            protected = set(hashes)
+        except TypeError:
+            block_hash_list("prepare_store", hashes)  # raises ValueError naming the key
+            raise
+        if len(protected) != len(hashes):
+            hashes = unique_hashes(hashes)
         to_store = self._absent(hashes)
         backend = self.backend
         if not to_store:
             return PrepareStoreOutput([], backend.get_load_store_spec([], []), [])
+        block_hash_list("prepare_store", to_store)  # only bytes are ever stored
         evicted: list[BlockHash] = []
         num_to_evict = len(to_store) - backend.get_num_free_blocks()
         if num_to_evict > 0:
@@ -188,19 +210,22 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Settle the in-flight blocks among the hashes, each once however often listed;
         others (absent, ready) are ignored, as in vLLM."""
-        hashes = unique_hashes(block_hash_list("complete_store", block_hashes))
-        blocks = self._get_many(hashes)
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        blocks: list[Any] = self._blocks_of("complete_store", hashes)
         if not (blocks and None not in blocks and max(map(ref_cnt, blocks)) < 0):
             # not the usual case (all in flight): keep only the in-flight ones
+            block_hash_list("complete_store", hashes)  # a key that is not bytes: say so
             keep = [b is not None and b.ref_cnt < 0 for b in blocks]
             hashes, blocks = list(compress(hashes, keep)), list(compress(blocks, keep))
             if not hashes:
                 return
-        in_flight: list[Any] = blocks
+        if len(hashes) > 1 and len(set(hashes)) != len(hashes):  # settle each hash once
+            unique = dict(zip(hashes, blocks, strict=True))
+            hashes, blocks = list(unique), list(unique.values())
         if not success:
-            self._drop(hashes, in_flight)
+            self._drop(hashes, blocks)
             return
-        for block in in_flight:
+        for block in blocks:
             block.ref_cnt = 0
         self._stored += len(hashes)
         self._mark_evictable(hashes)
