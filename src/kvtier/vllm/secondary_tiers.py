@@ -31,6 +31,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.offload.policies import get_policy_class
 from kvtier.remote.breaker import BreakerConfig
 from kvtier.remote.config import RemoteConfig
 from kvtier.remote.manager import RemoteLoadStoreSpec
@@ -57,6 +58,8 @@ class KvtierDiskTier(KvtierSecondaryTier):
     DEFAULT_LOCALITY = Locality.LOCAL
 
     def open(self, options: dict[str, Any]) -> None:
+        policy = options.get("eviction_policy", "lru")
+        get_policy_class(policy)  # a wrong name fails before the directory is taken
         self.store = DiskStore(
             options["path"],
             self.layout,
@@ -64,9 +67,7 @@ class KvtierDiskTier(KvtierSecondaryTier):
             fsync=bool(options.get("fsync", True)),
             io_threads=int(options.get("io_threads", 2)),
         )
-        self.manager = self.store.manager(
-            self.tokens_per_chunk, options.get("eviction_policy", "lru")
-        )
+        self.manager = self.store.manager(self.tokens_per_chunk, policy)
 
     def key(self, key: OffloadKey) -> BlockHash:
         # vLLM's keys (block hash + group index) can be longer than the 32 bytes the

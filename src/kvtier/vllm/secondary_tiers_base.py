@@ -253,36 +253,43 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 self.loaded([], keys)
             return
         spec = JobSpec([hashes[i] for i in sent])
-        self._jobs[job.job_id] = _Job(keys, sent, spec, is_load)
+        pending = self._jobs[job.job_id] = _Job(keys, sent, spec, is_load)
         chunk_ids = np.asarray(job.chunk_ids, dtype=np.int64)[sent]
-        if is_load:
-            self._worker.submit_load(job.job_id, spec, chunk_ids)
-        else:
-            self._worker.submit_store(job.job_id, chunk_ids, spec)
+        try:
+            if is_load:
+                self._worker.submit_load(job.job_id, spec, chunk_ids)
+            else:
+                self._worker.submit_store(job.job_id, chunk_ids, spec)
+        except Exception:  # e.g. ids outside the primary rows: fail this job only
+            log.exception("kvtier %s: job %d not submitted", self.tier_type, job.job_id)
+            del self._jobs[job.job_id]
+            self._ready.append(self._complete(job.job_id, pending, False, 0.0, 0))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results, self._ready = self._ready, []
         for done in self._worker.get_finished():
             job = self._jobs.pop(done.job_id)
-            sent = job.spec.block_hashes
-            if not job.is_load:
-                self.stored(sent, done.ok)
-                results.append(JobResult(done.job_id, done.ok, None, done.seconds, done.bytes))
-                continue
-            failed_at = set(job.spec.failed or ()) if job.spec.failed is not None else None
-            loaded = {
-                job.sent[i]
-                for i in range(len(job.sent))
-                if done.ok or (failed_at is not None and i not in failed_at)
-            }
-            failed = [k for i, k in enumerate(job.keys) if i not in loaded]
-            self.loaded(sent, failed)
-            if not failed:
-                results.append(JobResult(done.job_id, True, None, done.seconds, done.bytes))
-                continue
-            good = tuple(job.keys[i] for i in sorted(loaded)) or None
-            results.append(JobResult(done.job_id, False, good, done.seconds, done.bytes))
+            results.append(self._complete(done.job_id, job, done.ok, done.seconds, done.bytes))
         return results
+
+    def _complete(self, job_id: int, job: _Job, ok: bool, seconds: float, nbytes: int) -> JobResult:
+        """Settle a job's bookkeeping; vLLM's result, with the keys that loaded if some failed."""
+        sent = job.spec.block_hashes
+        if not job.is_load:
+            self.stored(sent, ok)
+            return JobResult(job_id, ok, None, seconds, nbytes)
+        failed_at = set(job.spec.failed) if job.spec.failed is not None else None
+        loaded = {
+            job.sent[i]
+            for i in range(len(sent))
+            if ok or (failed_at is not None and i not in failed_at)
+        }
+        failed = [k for i, k in enumerate(job.keys) if i not in loaded]
+        self.loaded(sent, failed)
+        if not failed:
+            return JobResult(job_id, True, None, seconds, nbytes)
+        good = tuple(job.keys[i] for i in sorted(loaded)) or None
+        return JobResult(job_id, False, good, seconds, nbytes)
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._ready)
