@@ -123,7 +123,8 @@ class Scheduler:
         assert out is not None
         for k, chunk in zip(out.keys_to_store, out.store_spec.block_ids.tolist(), strict=True):
             self.rows[chunk] = np.frombuffer(data[k], dtype=np.uint8)
-        self.manager.complete_store(out.keys_to_store, ctx)
+        if out.keys_to_store:  # (as the connector: no job, no completion)
+            self.manager.complete_store(out.keys_to_store, ctx)
         self.manager.on_request_finished(ctx)
         self.end_step()
         self.end_step()  # the cascades' completions are processed
