@@ -156,9 +156,33 @@ def test_data_replay_reports_bytes_and_no_checksum_failures(
     assert cpu["bytes_stored"] > 0 and cpu["bytes_loaded"] > 0 and cpu["checksum_failures"] == 0
 
 
-def test_data_with_bookkeeping_only_tiers_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["replay", "--limit", "10", "--data", "--concurrent"]) == 2
-    assert "data=True" in capsys.readouterr().err
+def _without_bytes(doc: dict[str, object]) -> list[object]:
+    """Each result without its timing and byte counts (which only --data moves)."""
+    bytes_fields = {"bytes_loaded", "bytes_stored"}
+    results = doc["results"]
+    assert isinstance(results, list)
+    return [
+        {
+            **{k: v for k, v in r.items() if k not in ("seconds", "tiers")},
+            "tiers": {
+                name: {k: v for k, v in t.items() if k not in bytes_fields}
+                for name, t in r["tiers"].items()
+            },
+        }
+        for r in results
+    ]
+
+
+def test_data_runs_every_mode_and_refuses_only_storing_on_eviction(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("torch")
+    argv = ["replay", "--limit", "40", "--json", "--gpu-blocks", "300", "--disk-blocks", "200"]
+    assert main([*argv, "--data", "--store-on", "evict"]) == 2
+    assert "store_on" in capsys.readouterr().err
+    plain = _json(capsys, *argv, "--concurrent")
+    moved = _json(capsys, *argv, "--concurrent", "--data")
+    assert _without_bytes(plain) == _without_bytes(moved)
 
 
 def test_generated_workload_shape_flags(capsys: pytest.CaptureFixture[str]) -> None:

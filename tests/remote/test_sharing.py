@@ -103,8 +103,9 @@ GOLDEN_FIRST_300_HITS = 676
 
 def test_kvtier_replay_finishes_when_the_server_dies_half_way(redis_server: RedisServer) -> None:
     """The real replay (`kvtier replay --redis`), its server SIGKILLed mid-run."""
+    from kvtier.sim.config import PROGRESS_EVERY, ReplayConfig
     from kvtier.sim.generator import GeneratorConfig, generate_workload
-    from kvtier.sim.replay import PROGRESS_EVERY, ReplayConfig, replay
+    from kvtier.sim.run import replay
 
     small = GeneratorConfig(  # short prompts: many requests, few blocks, a quick test
         num_requests=PROGRESS_EVERY + 400,

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvtier.sim.config import ReplayConfig
 from kvtier.sim.generator import GeneratorConfig, generate_workload
-from kvtier.sim.replay import ReplayConfig, replay
+from kvtier.sim.run import replay
 
 pytestmark = pytest.mark.redis
 
@@ -84,7 +85,7 @@ def test_cpu_disk_and_remote(redis_url: str) -> None:
 
 def test_real_bytes_through_redis_are_verified(redis_url: str) -> None:
     pytest.importorskip("torch")
-    from kvtier.sim.dataplane import small_layout
+    from kvtier.sim.bytes_plane import small_layout
 
     workload = generate_workload(GeneratorConfig(num_requests=60), seed=6)
     plain = replay(workload, ReplayConfig("lru", cpu_blocks=20, redis_url=redis_url))

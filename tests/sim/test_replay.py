@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.sim.bounds import belady_hits, flatten, infinite_hits
-from kvtier.sim.concurrency import TimeModel
-from kvtier.sim.metrics import served_tokens
-from kvtier.sim.replay import ReplayConfig, replay
+from kvtier.sim.config import ReplayConfig, TimeModel
+from kvtier.sim.metrics import ReplayResult, served_tokens
+from kvtier.sim.run import replay
 from kvtier.sim.traces import TraceRequest
 from kvtier.sim.workload import Workload, load_workload
 
@@ -67,11 +67,20 @@ def test_concurrent_requests_do_not_read_in_flight_stores() -> None:
     assert replay(spaced, ReplayConfig(cpu_blocks=4, time_model=TimeModel())).prefix_hit_blocks == 2
 
 
-def test_pinned_blocks_refuse_stores_under_concurrency() -> None:
-    # Capacity 2: r0's two blocks are in flight while r1 wants two other blocks stored.
-    w = _workload((1, 2), (3, 4), gap=0.0)
-    r = replay(w, ReplayConfig(cpu_blocks=2, time_model=TimeModel()))
-    assert r.tiers[0].store_rejections == 1 and r.tiers[0].stores == 2
+def test_blocks_being_loaded_refuse_stores_under_concurrency() -> None:
+    # Capacity 2. r1 loads r0's blocks 1, 2 and computes six more (a long prefill); r2
+    # arrives at once and its shorter prefill ends first: storing 3, 4 would evict 1, 2,
+    # still pinned by r1's load, so the store is refused. In sequence it evicts them.
+    rows = (
+        TraceRequest(0.0, 8, 1, (1, 2)),
+        TraceRequest(1000.0, 32, 1, (1, 2, 5, 6, 7, 8, 9, 10)),
+        TraceRequest(1000.0, 8, 1, (3, 4)),
+    )
+    w = Workload("t", rows, 4, chained=True)
+    (at_once,) = replay(w, ReplayConfig(cpu_blocks=2)).tiers
+    (overlapped,) = replay(w, ReplayConfig(cpu_blocks=2, time_model=TimeModel())).tiers
+    assert at_once.store_rejections == 1  # r1's six blocks never fit
+    assert overlapped.store_rejections == 2 and overlapped.stores == at_once.stores - 2
 
 
 def test_config_errors() -> None:
@@ -170,13 +179,15 @@ def test_same_decisions_as_the_vllm_reference_port(
     from benchmarks.reference_offload import ReferenceCPUOffloadingManager
 
     from kvtier.offload.abstract import OffloadingManager
+    from kvtier.sim.fast_loop import fast_offload_loop
+    from kvtier.sim.ledger import Ledger
     from kvtier.sim.metrics import TierCounters
-    from kvtier.sim.replay import replay_offload_only
 
     workload = _trace(conversation_trace_path)
     reference = cast(OffloadingManager, ReferenceCPUOffloadingManager(512, 9139, policy))
-    r = replay_offload_only(workload, reference, TierCounters("cpu", 9139, policy))
-    assert (r.prefix_hit_blocks, r.any_hit_blocks) == GOLDEN[(policy, 9139)]
+    ledger = Ledger(workload, [TierCounters("cpu", 9139, policy)])
+    fast_offload_loop(reference, ledger)
+    assert (ledger.prefix_hits, ledger.any_hits) == GOLDEN[(policy, 9139)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -186,29 +197,38 @@ def test_same_decisions_as_the_vllm_reference_port(
 def test_fast_path_counts_like_the_mirror(
     requests: list[tuple[int, ...]], capacity: int, policy: str
 ) -> None:
-    """Counting presence from the manager's answers equals keeping a mirror of it,
-    including when a request is larger than the tier (its store is refused)."""
-    from kvtier.offload import CPUOffloadingManager
-    from kvtier.sim.metrics import TierCounters
-    from kvtier.sim.replay import replay_offload_only
-
+    """The specialised loop gives every figure the general step gives (presence counted
+    from the manager's answers equals the ledger's mirror), including when a request
+    is larger than the tier (its store is refused)."""
     w = Workload(
         "h",
         tuple(TraceRequest(float(i), 4 * len(ids), 1, ids) for i, ids in enumerate(requests)),
         4,
         chained=False,
     )
-    results = [
-        replay_offload_only(
-            w,
-            CPUOffloadingManager(4, capacity, cache_policy=policy),
-            TierCounters("cpu", capacity, policy),
-            stores_all_absent=fast,
-        )
-        for fast in (True, False)
-    ]
-    fast, mirrored = ((r.any_hit_blocks, r.prefix_hit_blocks, r.tiers) for r in results)
-    assert fast == mirrored
+    config = ReplayConfig(policy, cpu_blocks=capacity)
+    fast, general = replay(w, config), replay(w, config, general=True)
+    assert _figures(fast) == _figures(general)
+
+
+def _figures(r: ReplayResult) -> tuple[object, ...]:
+    return (
+        r.any_hit_blocks,
+        r.prefix_hit_blocks,
+        r.hit_tokens,
+        r.prefill_tokens_saved,
+        r.tiers,
+        r.extra,
+    )
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_fast_loop_and_general_step_agree_on_the_public_trace(
+    conversation_trace_path: Path, policy: str
+) -> None:
+    workload = load_workload(conversation_trace_path, limit=600)
+    config = ReplayConfig(policy, cpu_blocks=900)
+    assert _figures(replay(workload, config)) == _figures(replay(workload, config, general=True))
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.sim.bounds import belady_hits, flatten
-from kvtier.sim.concurrency import TimeModel
-from kvtier.sim.replay import ReplayConfig, replay
+from kvtier.sim.config import ReplayConfig, TimeModel
+from kvtier.sim.run import replay
 from kvtier.sim.traces import TraceRequest
 from kvtier.sim.workload import Workload, load_workload
 

@@ -9,8 +9,7 @@ from rich.console import Console
 
 from kvtier.cli.args import open_workload_from_args
 from kvtier.cli.render import progress_bars, replay_table, tier_table
-from kvtier.sim.concurrency import TimeModel
-from kvtier.sim.replay import ReplayConfig
+from kvtier.sim.config import ReplayConfig, TimeModel
 from kvtier.sim.session import parse_policies, run_replays
 
 

@@ -1,7 +1,7 @@
 """The scheduler-side connector an engine embeds between its accelerator pool and
 the offload tiers (see `kvtier.connector.scheduler`)."""
 
-from kvtier.connector.chain import ChainSpec, TierChain, TierTally
+from kvtier.connector.chain import ChainSpec, TierChain, settle_load
 from kvtier.connector.scheduler import (
     Admission,
     ConnectorCounters,
@@ -17,6 +17,6 @@ __all__ = [
     "OffloadConnector",
     "StoreOn",
     "TierChain",
-    "TierTally",
     "TransferJob",
+    "settle_load",
 ]

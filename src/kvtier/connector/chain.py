@@ -12,29 +12,21 @@ cascade) and a shared Redis tier below it uses this chain:
   it holds), so a shared remote tier sees every computed prefix;
 - `touch` reaches every tier.
 
-It also keeps, per tier, what it served, stored and evicted, and a mirror of each
-tier's contents, so a replay can tell which tier served what and count blocks
-present at any position. Redis evicts silently, so the remote mirror is an upper
-bound (blocks there may be gone).
+It keeps a mirror of each tier's contents (so a store is not offered to a lower
+tier as "evicted" while an upper one still holds it) and counts, per tier, the
+stores that tier refused while others took them; what each tier served and stored
+is for the caller to read from the tiers' own events.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.offload.abstract import LoadStoreSpec, OffloadingManager, PrepareStoreOutput
+from kvtier.offload.cascade import CascadeOffloadingManager
 from kvtier.types import BlockHash
-
-
-@dataclass
-class TierTally:
-    hit_blocks: int = 0
-    stores: int = 0
-    evictions: int = 0
-    promotions: int = 0
-    store_rejections: int = 0
 
 
 @dataclass
@@ -57,7 +49,7 @@ class TierChain(OffloadingManager):
             raise ValueError(f"a chain needs at least one tier and distinct names, got {names}")
         self.tiers = list(tiers)
         self.promote = promote
-        self.tallies = {name: TierTally() for name in names}
+        self.rejections: Counter[str] = Counter()  # tier -> stores it refused
         self.resident: list[set[BlockHash]] = [set() for _ in tiers]
         self._last: tuple[list[BlockHash], list[int]] = ([], [])
         self._loads: defaultdict[tuple[BlockHash, ...], deque[list[tuple[int, list[BlockHash]]]]]
@@ -106,8 +98,6 @@ class TierChain(OffloadingManager):
             for k, part in parts:
                 self.tiers[k][1].complete_load(part)
             raise
-        for name, part, _ in spec.parts:
-            self.tallies[name].hit_blocks += len(part)
         self._loads[tuple(hashes)].append(parts)
         return spec
 
@@ -116,7 +106,8 @@ class TierChain(OffloadingManager):
         for _, manager in self.tiers:
             manager.touch(hashes)
 
-    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
+    def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        """Unpin every part; promote only what a successful load brought up."""
         key = tuple(block_hashes)
         pending = self._loads.get(key)
         if not pending:
@@ -125,25 +116,21 @@ class TierChain(OffloadingManager):
         if not pending:
             del self._loads[key]
         for k, part in parts:
-            self.tiers[k][1].complete_load(part)
-            if self.promote:
+            settle_load(self.tiers[k][1], part, success)
+            if self.promote and success:
                 for upper in range(k):
                     self._promote(upper, part)
 
     def _promote(self, k: int, hashes: list[BlockHash]) -> None:
-        name, manager = self.tiers[k]
+        manager = self.tiers[k][1]
         out = manager.prepare_store(hashes)
         if out is None:
             return
         self._account(k, out)
         manager.complete_store(out.block_hashes_to_store)
         self.resident[k].update(out.block_hashes_to_store)
-        self.tallies[name].promotions += len(out.block_hashes_to_store)
 
     def _account(self, k: int, out: PrepareStoreOutput) -> None:
-        tally = self.tallies[self.tiers[k][0]]
-        tally.stores += len(out.block_hashes_to_store)
-        tally.evictions += len(out.block_hashes_evicted)
         self.resident[k].difference_update(out.block_hashes_evicted)
 
     def _anywhere(self, block_hash: BlockHash) -> bool:
@@ -160,7 +147,7 @@ class TierChain(OffloadingManager):
         for k, (name, manager) in enumerate(self.tiers):
             out = manager.prepare_store(hashes)
             if out is None:
-                self.tallies[name].store_rejections += 1
+                self.rejections[name] += 1
                 continue
             accepted = True
             self._account(k, out)
@@ -196,3 +183,12 @@ class TierChain(OffloadingManager):
             self.tiers[k][1].complete_store(hashes, success)
             if success:
                 self.resident[k].update(hashes)
+
+
+def settle_load(manager: OffloadingManager, block_hashes: list[BlockHash], success: bool) -> None:
+    """`complete_load`, telling the managers that settle more than pins (promotions
+    riding on the load: the cascade, a chain) whether the load's bytes arrived."""
+    if isinstance(manager, CascadeOffloadingManager | TierChain):
+        manager.complete_load(block_hashes, success)
+    else:
+        manager.complete_load(block_hashes)

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvtier.connector.chain import settle_load
 from kvtier.gpu.block_pool import EvictionHook
 from kvtier.gpu.manager import KVCacheManager
 from kvtier.offload.abstract import LoadStoreSpec, OffloadingManager
@@ -244,7 +245,7 @@ class OffloadConnector:
         stored = self._loads.pop(job.job_id, None)
         if stored is None:
             raise KeyError(f"load job {job.job_id} is unknown or already finished")
-        self.offload.complete_load(stored.block_hashes)
+        settle_load(self.offload, stored.block_hashes, ok)
         if not ok:
             self.counters.failed_loads += 1
         rid = stored.request_id

@@ -305,7 +305,7 @@ class RedisBlockStore:
             # Full under a noeviction policy: the server is healthy and lookups
             # still hit, so this fails the call without tripping the breaker.
             log.debug("remote tier %s: %s refused, server full: %s", self._where(), what, exc)
-            self._counters.add(errors=1)
+            self._counters.add(errors=1, full_refusals=int(what == "store"))
             self.breaker.record_success()
             return fallback
         except (RedisError, OSError) as exc:

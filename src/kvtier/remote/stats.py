@@ -22,6 +22,7 @@ class RemoteStats:
     malformed_blocks: int = 0
     wrong_key_blocks: int = 0
     errors: int = 0  # failed calls (timeouts, refused connections, server errors)
+    full_refusals: int = 0  # writes a full server refused (noeviction); also in errors
     skipped_calls: int = 0  # refused by the open breaker
     breaker_opened: int = 0
 

@@ -31,7 +31,10 @@ def served_tokens(hit_blocks: int, block_size: int, input_length: int) -> tuple[
 
 @dataclass
 class TierCounters:
-    """Mutable tallies the replay loop bumps; frozen into `TierStats` at the end."""
+    """The one set of per-tier tallies a replay keeps (see `kvtier.sim.ledger`); frozen
+    into `TierStats` at the end. Every figure counts what happened, not what was
+    planned: a store counts once its bytes are in the tier, a hit once they reached
+    the engine."""
 
     name: str
     capacity: int
@@ -45,8 +48,11 @@ class TierCounters:
     bytes_loaded: int = 0
     bytes_stored: int = 0
     checksum_failures: int = 0
-    # calls to the tier that failed or were skipped (a shared tier that is down)
+    # transfers to or from the tier that failed (loads, stores, disk demotions)
     errors: int = 0
+    # blocks the tier lost to faults (a demotion that never reached the disk, a
+    # corrupt file found and forgotten): gone without an eviction
+    dropped_blocks: int = 0
 
     def freeze(self, block_refs: int) -> TierStats:
         return TierStats(
@@ -70,6 +76,7 @@ class TierStats:
     bytes_stored: int
     checksum_failures: int
     errors: int
+    dropped_blocks: int
     # Blocks this tier served, over all block references of the trace.
     hit_rate: float
 

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.sim.bounds import Bounds, belady_hits, compute_bounds, flatten
+from kvtier.sim.config import Progress, ReplayConfig
 from kvtier.sim.generator import GeneratorConfig, generate_workload
 from kvtier.sim.metrics import ReplayResult
-from kvtier.sim.replay import Progress, ReplayConfig, replay
+from kvtier.sim.run import replay
 from kvtier.sim.workload import Workload, load_workload
 
 # Makes one progress callback per replay: (label, total requests) -> callback.

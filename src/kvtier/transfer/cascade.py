@@ -52,6 +52,10 @@ class CascadeHandler:
         # block) runs before any later demotion from that slot (see `_load_disk`).
         self._failed_demotions: dict[int, BlockHash] = {}
         self._lock = threading.Lock()
+        # Demotions that never reached the disk, and their blocks, since creation: the
+        # job goes on, so only these say that the disk tier's store failed.
+        self.failed_demotions = 0
+        self.failed_demotion_blocks = 0
 
     @classmethod
     def worker(
@@ -139,6 +143,8 @@ class CascadeHandler:
             log.warning("demotion of %d blocks failed: %r", len(demotion.block_hashes), exc)
             with self._lock:
                 self._lost.extend(demotion.block_hashes)
+                self.failed_demotions += 1
+                self.failed_demotion_blocks += len(demotion.block_hashes)
             self._failed_demotions.update(
                 zip(demotion.src.block_ids.tolist(), demotion.block_hashes, strict=True)
             )

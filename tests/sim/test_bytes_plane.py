@@ -5,9 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvtier.offload.mediums import CPULoadStoreSpec
-from kvtier.sim.dataplane import DataPlane, small_layout
+from kvtier.sim.bytes_plane import DataPlane, small_layout
+from kvtier.sim.config import ReplayConfig
 from kvtier.sim.generator import GeneratorConfig, generate_workload
-from kvtier.sim.replay import ReplayConfig, replay
+from kvtier.sim.ledger import Ledger
+from kvtier.sim.run import replay
+from kvtier.sim.stack import TierStack, build_stack
+from kvtier.sim.workload import Workload
 from kvtier.types import int_block_hash
 
 pytest.importorskip("torch")
@@ -30,21 +34,33 @@ def test_bytes_move_without_changing_decisions(gpu_blocks: int) -> None:
     assert cpu.bytes_loaded == cpu.hit_blocks * bytes_per_block > 0
 
 
+def _plane(workload: Workload, device_blocks: int = 4) -> tuple[DataPlane, Ledger, TierStack]:
+    layout = small_layout(workload.block_size)
+    stack = build_stack(workload, ReplayConfig(cpu_blocks=4, data=True), layout)
+    ledger = Ledger(workload, stack.counters())
+    return DataPlane(layout, device_blocks, stack, ledger), ledger, stack
+
+
 def test_corrupt_slot_fails_the_load_and_is_counted() -> None:
-    dp = DataPlane(small_layout(4), device_blocks=4, cpu_slots=4)
+    workload = generate_workload(GeneratorConfig(num_requests=2), seed=1)
+    dp, ledger, stack = _plane(workload)
     try:
         hashes = [int_block_hash(7), int_block_hash(8)]
         dp.compute([0, 1], hashes)
-        assert dp.store([0, 1], CPULoadStoreSpec([2, 3]))
-        assert dp.load(CPULoadStoreSpec([2, 3]), [1, 0], hashes)  # slot 2 -> block 1, ...
+        assert dp.store(CPULoadStoreSpec([2, 3]), [0, 1], hashes) == [("cpu", True)]
+        assert dp.load(CPULoadStoreSpec([2, 3]), [1, 0], hashes[::-1]) is False  # swapped
+        assert dp.load(CPULoadStoreSpec([2, 3]), [0, 1], hashes)
         dp.host.array[3][5] ^= 0xFF  # a flipped byte in the slot holding block 8
         assert not dp.load(CPULoadStoreSpec([2, 3]), [0, 1], hashes)
-        assert dp.checksum_failures == 1 and dp.failed_jobs == 1
-        # Loading into the wrong blocks' places is caught by the content check.
-        assert not dp.load(CPULoadStoreSpec([2]), [0], [hashes[1]])
-        assert dp.verify_failures == 1 and dp.checksum_failures == 2
+        dp.take_checksum_failures()
+        cpu = ledger.tiers["cpu"]
+        # the wrong-place load (content check) and the corrupt slot (store's checksum)
+        assert cpu.checksum_failures == 2 and cpu.errors == 2
+        size = small_layout(workload.block_size).bytes_per_block
+        assert cpu.bytes_stored == 2 * size and cpu.bytes_loaded == 4 * size
     finally:
         dp.close()
+        stack.close()
 
 
 def test_bytes_through_the_disk_cascade() -> None:
@@ -62,11 +78,11 @@ def test_bytes_through_the_disk_cascade() -> None:
     assert cpu.checksum_failures == disk.checksum_failures == 0
 
 
-def test_data_refuses_what_it_cannot_move() -> None:
-    with pytest.raises(ValueError, match="bookkeeping-only"):
-        ReplayConfig(data=True, gpu_blocks=10, disk_blocks=10)
+def test_data_refuses_only_what_it_cannot_move() -> None:
     with pytest.raises(ValueError, match="store_on"):
         ReplayConfig(data=True, gpu_blocks=10, store_on="evict")
+    with pytest.raises(ValueError, match="disk_dir"):
+        ReplayConfig(disk_dir="/tmp/x", disk_blocks=10)
 
 
 def test_a_failed_construction_leaves_no_worker_running() -> None:
@@ -76,7 +92,11 @@ def test_a_failed_construction_leaves_no_worker_running() -> None:
         def kv_store(self, layout: object) -> object:
             raise OSError("remote tier unreachable")
 
+    workload = generate_workload(GeneratorConfig(num_requests=2), seed=1)
+    layout = small_layout(workload.block_size)
+    stack = build_stack(workload, ReplayConfig(cpu_blocks=4, data=True), layout)
+    stack.remote = BrokenRemote()  # type: ignore[assignment]
     before = threading.active_count()
     with pytest.raises(OSError, match="unreachable"):
-        DataPlane(small_layout(4), device_blocks=4, cpu_slots=4, remote=BrokenRemote())
+        DataPlane(layout, 4, stack, Ledger(workload, stack.counters()))
     assert threading.active_count() == before  # the CPU tier's worker was closed

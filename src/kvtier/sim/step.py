@@ -1,0 +1,275 @@
+"""The per-request step every replay mode drives: lookup, load, touch, store, tally.
+
+A request goes through four moments, in this order, whatever the mode:
+
+1. `admit`: hits at any position are counted; the tiers are asked for the prefix
+   (the accelerator first when there is one, through the connector, as an engine's
+   scheduler would); the hit blocks are pinned and their bytes loaded; all of the
+   request's blocks are touched. None: no room in the accelerator now.
+2. `loaded`: the load's completion reaches the tiers (a failed one as a failure).
+3. `computed`: the prefill computed the blocks no tier served; they are offered to
+   the tiers, and the stores run and complete.
+4. `finished`: the request frees its accelerator blocks.
+
+The clock (`kvtier.sim.clock`) decides when each moment happens: all at once, or
+at virtual times (loads in flight for the length of the prefill, accelerator blocks
+held until the decode ends). The bytes plane (`kvtier.sim.bytes_plane`) decides
+whether bytes move and whether a transfer failed. Both fronts below share the
+tallying and the settling of transfers, so every combination counts alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier.connector.chain import TierChain, settle_load
+from kvtier.connector.scheduler import Admission, OffloadConnector, TransferJob
+from kvtier.offload.abstract import LoadStoreSpec
+from kvtier.request import Request
+from kvtier.sim.bytes_plane import BytesPlane, parts_of, position_tiers
+from kvtier.sim.ledger import Ledger
+from kvtier.sim.metrics import served_tokens
+from kvtier.sim.stack import TierStack
+from kvtier.sim.workload import Workload
+from kvtier.types import BlockHash
+
+
+@dataclass
+class Pending:
+    """One admitted request between its moments."""
+
+    index: int
+    hashes: list[BlockHash]
+    served: int  # leading blocks the tiers delivered (accelerator hit included)
+    load: tuple[list[BlockHash], LoadStoreSpec] | None = None
+    load_ok: bool = True
+    uncached_tokens: int = 0
+    loaded_blocks: int = 0
+    request: Request | None = None
+    admission: Admission | None = None
+
+
+class Step(Protocol):
+    # Whether admitted requests hold blocks until `finished` (an accelerator pool).
+    holds_blocks: bool
+
+    def indexes(self) -> Sequence[int]: ...
+
+    def admit(self, index: int) -> Pending | None: ...
+
+    def loaded(self, p: Pending) -> None: ...
+
+    def computed(self, p: Pending) -> None: ...
+
+    def finished(self, p: Pending) -> None: ...
+
+
+class _Settling:
+    """What both fronts do with the tiers' answers: events, stores, lost blocks."""
+
+    def __init__(self, stack: TierStack, plane: BytesPlane, ledger: Ledger) -> None:
+        self.stack, self.plane, self.ledger = stack, plane, ledger
+        self._lost: set[BlockHash] = set()
+
+    def drain(self) -> None:
+        self.ledger.events(self.stack.take_events())
+
+    def store(self, spec: LoadStoreSpec, ids: Sequence[int], stored: list[BlockHash]) -> bool:
+        """Run the store; settle a chain's parts one by one. True if every part succeeded."""
+        results = self.plane.store(spec, ids, stored)
+        chain = self.stack.chain
+        if chain is not None:
+            for (name, part, _), (_, ok) in zip(parts_of(spec, stored), results, strict=True):
+                chain.complete_part(name, part, ok)
+        return all(ok for _, ok in results)
+
+    def forget_lost(self) -> None:
+        """Disk blocks the bytes plane lost leave the cascade (dropped, not evicted).
+        Blocks still pinned by a job in flight are forgotten once it completes."""
+        self._lost.update(self.plane.take_lost())
+        cascade = self.stack.cascade
+        if not self._lost or cascade is None:
+            return
+        self.drain()
+        removed = cascade.discard_disk_blocks(list(self._lost))
+        self.ledger.events(self.stack.take_events(), faults=True)
+        on_disk = self.ledger.resident["disk"]
+        self._lost = {h for h in self._lost if h in on_disk and h not in removed}
+
+
+class OffloadStep(_Settling):
+    """No accelerator tier: the replay talks to the offload tiers directly.
+
+    The engine cache of the bytes plane is a scratch area as large as the longest
+    request: block `i` of the request being replayed sits in device block `i`.
+    """
+
+    holds_blocks = False
+
+    def __init__(
+        self, workload: Workload, stack: TierStack, plane: BytesPlane, ledger: Ledger
+    ) -> None:
+        super().__init__(stack, plane, ledger)
+        self.workload = workload
+        self.refused = 0
+
+    def indexes(self) -> Sequence[int]:
+        return range(len(self.workload.requests))
+
+    def admit(self, index: int) -> Pending:
+        w, ledger, manager = self.workload, self.ledger, self.stack.manager
+        hs = w.block_hashes[index]
+        ledger.any_hits += ledger.count_present(hs)
+        hit = manager.lookup(hs) or 0  # None ("ask again") is a miss for a replay
+        p = Pending(index, hs, 0, loaded_blocks=hit)
+        if hit:
+            loaded = hs[:hit]
+            spec = manager.prepare_load(loaded)
+            p.load = (loaded, spec)
+            p.load_ok = self.plane.load(spec, range(hit), loaded)
+            if p.load_ok:  # a failed or corrupt load is a miss: recompute
+                p.served = hit
+                ledger.served(index, position_tiers(spec, hit))
+        input_length = w.requests[index].input_length
+        ledger.prefill_tokens_saved += served_tokens(p.served, w.block_size, input_length)[1]
+        p.uncached_tokens = max(0, input_length - hit * w.block_size)
+        manager.touch(hs)
+        self.drain()
+        return p
+
+    def loaded(self, p: Pending) -> None:
+        if p.load is not None:
+            settle_load(self.stack.manager, p.load[0], p.load_ok)
+            self.drain()
+            self.forget_lost()
+
+    def computed(self, p: Pending) -> None:
+        hs, first = p.hashes, p.served
+        if first >= len(hs):
+            return
+        rest = hs[first:]
+        self.plane.compute(range(first, len(hs)), rest)
+        absent = [h for h in rest if not self.ledger.present(h)]
+        out = self.stack.manager.prepare_store(rest)
+        self.drain()
+        if out is None:
+            self.refused += 1
+            return
+        stored = out.block_hashes_to_store
+        taken = set(stored)
+        self.ledger.filtered("cpu", sum(1 for h in absent if h not in taken))
+        position = {h: i for i, h in enumerate(hs)}
+        ok = self.store(out.store_spec, [position[h] for h in stored], stored)
+        if not isinstance(self.stack.manager, TierChain):
+            self.stack.manager.complete_store(stored, success=ok)
+        self.drain()
+        self.forget_lost()
+
+    def finished(self, p: Pending) -> None:
+        pass
+
+
+class ConnectorStep(_Settling):
+    """An accelerator tier in front: requests go through the connector.
+
+    Each request is built from its trace hashes (only full blocks have one, as in the
+    engine); hit rates keep the trace's denominator (all block references, partial
+    last blocks included) so they compare with the offload-only replay and the bounds.
+    """
+
+    holds_blocks = True
+
+    def __init__(
+        self,
+        workload: Workload,
+        connector: OffloadConnector,
+        stack: TierStack,
+        plane: BytesPlane,
+        ledger: Ledger,
+    ) -> None:
+        super().__init__(stack, plane, ledger)
+        self.workload, self.connector = workload, connector
+        bs = workload.block_size
+        self._requests: dict[int, Request] = {}
+        for i, (r, hs) in enumerate(zip(workload.requests, workload.block_hashes, strict=True)):
+            if r.input_length:
+                full = min(len(hs), r.input_length // bs)
+                self._requests[i] = Request.from_block_hashes(
+                    f"r{i}", hs[:full], r.input_length, block_size=bs
+                )
+
+    def indexes(self) -> Sequence[int]:
+        return list(self._requests)
+
+    def _hashes(self, request: Request) -> list[BlockHash]:
+        c = self.connector
+        return list(request.get_block_hashes(c.block_size, c.gpu.hash_algorithm))
+
+    def admit(self, index: int) -> Pending | None:
+        c, ledger, bs = self.connector, self.ledger, self.workload.block_size
+        request, hs = self._requests[index], self.workload.block_hashes[index]
+        is_cached = c.gpu.is_cached
+        present = sum(1 for h in hs if is_cached(h) or ledger.present(h))
+        adm = c.admit(request)
+        self.drain()
+        if adm is None:
+            return None
+        ledger.any_hits += present
+        hashes = self._hashes(request)
+        ids = c.gpu.get_block_ids(request.request_id)
+        gpu_hit, ext = adm.gpu_hit_blocks, adm.offload_hit_blocks
+        if not self.plane.verify(ids[:gpu_hit], hashes[:gpu_hit]):
+            ledger.checksum_failed("gpu")
+        ledger.served(index, ["gpu"] * gpu_hit)
+        p = Pending(index, hs, gpu_hit, request=request, admission=adm, loaded_blocks=ext)
+        if adm.load is not None:
+            job = adm.load
+            p.load = (job.block_hashes, job.spec)
+            p.load_ok = self.plane.load(job.spec, job.gpu_block_ids, job.block_hashes)
+            if p.load_ok:
+                p.served += ext
+                ledger.served(index, position_tiers(job.spec, ext), start=gpu_hit)
+        ledger.prefill_tokens_saved += p.served * bs  # the connector kept the last token
+        full = request.num_prompt_tokens // bs
+        ledger.tiers["gpu"].stores += full - gpu_hit
+        self.plane.compute(ids[p.served : full], hashes[p.served : full])
+        p.uncached_tokens = request.num_tokens - (gpu_hit + ext) * bs
+        for store in adm.stores:
+            self._store_job(store)
+        return p
+
+    def loaded(self, p: Pending) -> None:
+        adm = p.admission
+        if adm is not None and adm.load is not None:
+            self.connector.finish_load(adm.load, p.load_ok)
+            self.drain()
+            self.forget_lost()
+
+    def computed(self, p: Pending) -> None:
+        c, adm, request = self.connector, p.admission, p.request
+        if adm is None or request is None:
+            return
+        first = adm.gpu_hit_blocks + adm.offload_hit_blocks
+        absent = [h for h in self._hashes(request)[first:] if not self.ledger.present(h)]
+        refusals = c.counters.store_rejections
+        job = c.computed(request)
+        self.drain()
+        if c.store_on == "compute" and c.counters.store_rejections == refusals:
+            taken = set(job.block_hashes) if job is not None else set()
+            self.ledger.filtered("cpu", sum(1 for h in absent if h not in taken))
+        self._store_job(job)
+
+    def _store_job(self, job: TransferJob | None) -> None:
+        if job is None:
+            return
+        ok = self.store(job.spec, job.gpu_block_ids, job.block_hashes)
+        self.connector.finish_store(job, ok)
+        self.drain()
+        self.forget_lost()
+
+    def finished(self, p: Pending) -> None:
+        if p.request is not None:
+            self.connector.finish(p.request)
+            self.drain()
