@@ -228,8 +228,22 @@ def test_replay_table_counts_calls_to_an_unreachable_redis(
     argv = ["replay", "--limit", "60", "--cpu-blocks", "200", "--policy", "lru"]
     assert main([*argv, "--redis", f"redis://127.0.0.1:{port}/0"]) == 0  # degraded, not fatal
     out = capsys.readouterr().out
-    remote_row = next(line for line in out.splitlines() if " remote " in line)
-    assert "errors" in out and "server" in remote_row and not remote_row.rstrip().endswith(" 0")
+    remote_row = next(line for line in out.splitlines() if " remote " in line).split()
+    header = next(line for line in out.splitlines() if " err " in line).split()
+    assert "server" in remote_row and int(remote_row[header.index("err")]) > 0
+    (faults,) = [line for line in out.splitlines() if line.startswith("lru: ")]
+    assert " 0 errors" not in faults  # also on the line under the tables, in full
+    assert "bounds assume: the Redis tier is counted as unbounded" in out
+
+
+def test_fault_counts_show_at_80_columns_when_piped(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    argv = ["replay", "--limit", "40", "--gpu-blocks", "200", "--disk-blocks", "300"]
+    assert main([*argv, "--data", "--store-threshold", "2", "--policy", "lru"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["policy", "tier"])
+    assert header.split()[-2:] == ["err", "lost"] and len(header.rstrip()) <= 80
+    assert any(line.startswith("lru: 0 errors, 0 checksum failures") for line in lines)
 
 
 def test_replay_table_says_when_evicted_blocks_were_lost(

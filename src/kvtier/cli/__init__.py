@@ -79,7 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="overlap requests by arrival time (in-flight loads/stores, waiting for room)",
     )
     rp.add_argument("--disk-blocks", type=_int_at_least(0), default=0, help="disk tier size")
-    rp.add_argument("--data", action="store_true", help="move and verify real bytes")
+    rp.add_argument(
+        "--disk-dir",
+        metavar="PATH",
+        help="keep the disk tier's files here across runs (with --data; prints what "
+        "reopening found)",
+    )
+    rp.add_argument(
+        "--data",
+        action="store_true",
+        help="move and verify real bytes (needs torch: pip install 'kvtier[torch]')",
+    )
     rp.add_argument("--redis", metavar="URL", help="add a shared Redis tier below")
     rp.add_argument(
         "--redis-namespace",

@@ -56,8 +56,7 @@ def replay_table(report: ReplayReport) -> Table:
         caption="hit rates: block (any position), prefix (usable), token (weighted); "
         "saved: prefill tokens; stores/evicted/filtered: offload tiers; "
         "bounds at the same total capacity; replay speed: "
-        + ", ".join(f"{r.policy} {_count(r.refs_per_s)} refs/s" for r in report.results)
-        + _losses(report),
+        + ", ".join(f"{r.policy} {_count(r.refs_per_s)} refs/s" for r in report.results),
     )
     table.add_column("policy", min_width=8)
     for name in ("block", "prefix", "token", "saved", "stores", "evicted", "filtered"):
@@ -79,17 +78,35 @@ def replay_table(report: ReplayReport) -> Table:
     return table
 
 
-def _losses(report: ReplayReport) -> str:
-    """Blocks or requests the stack could not serve at all, where there were any."""
-    notes = []
+def fault_lines(report: ReplayReport) -> list[str]:
+    """Lines printed under the tables, always (whatever the width, piped or not): what
+    failed or was lost, what the bounds assume, what a reopened disk held."""
+    lines = []
     for r in report.results:
-        dropped = r.extra.get("evicted_blocks_dropped", 0)
+        errors = sum(t.errors for t in r.tiers)
+        rejected = sum(t.store_rejections for t in r.tiers)
+        dropped = sum(t.dropped_blocks for t in r.tiers)
+        bad = sum(t.checksum_failures for t in r.tiers)
+        line = (
+            f"{r.policy}: {_count(errors)} errors, {_count(bad)} checksum failures, "
+            f"{_count(rejected)} stores refused, {_count(dropped)} blocks dropped by faults"
+        )
+        lost = r.extra.get("evicted_blocks_dropped", 0)
         unschedulable = r.extra.get("unschedulable_requests", 0)
-        if dropped:
-            notes.append(f"{r.policy}: {_count(dropped)} evicted blocks the tier refused (lost)")
+        if lost:
+            line += f", {_count(lost)} evicted blocks the tier refused (lost)"
         if unschedulable:
-            notes.append(f"{r.policy}: {_count(unschedulable)} requests too large for the pool")
-    return "; " + "; ".join(notes) if notes else ""
+            line += f", {_count(unschedulable)} requests too large for the pool"
+        lines.append(line)
+        recovery = r.extra.get("disk_recovery")
+        if isinstance(recovery, dict):
+            lines.append(
+                f"{r.policy}: disk tier reopened at {recovery['directory']}: "
+                f"{recovery['recovered_blocks']:,} blocks recovered, "
+                f"{recovery['dropped_files']:,} files deleted (torn, foreign or over capacity)"
+            )
+    lines += [f"bounds assume: {note}" for note in report.bounds.assumptions]
+    return lines
 
 
 def tier_table(report: ReplayReport) -> Table | None:
@@ -99,10 +116,17 @@ def tier_table(report: ReplayReport) -> Table | None:
     rows = [(r.policy, t) for r in report.results for t in r.tiers]
     moved = any(t.bytes_loaded or t.bytes_stored for _, t in rows)
     filtered = any(t.filtered_stores for _, t in rows)
-    errors = any(t.errors for _, t in rows)
-    table = Table(box=box.SIMPLE_HEAD, title="per tier (served: share of all block refs)")
-    names = ["policy", "tier", "size", "served", "stores", "evicted"]
-    names += ["filtered"] * filtered + ["bytes in/out", "bad sums"] * moved + ["errors"] * errors
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+        title="per tier (served: share of all block refs)",
+        caption="in/out: bytes stored/loaded; bad: checksum failures; err: failed "
+        "transfers; lost: blocks dropped by faults",
+    )
+    # Short names: every column must fit 80 columns, the fault counts above all.
+    names = ["policy", "tier", "size", "served", "stores", "evict"]
+    names += ["filt"] * filtered + ["in/out", "bad"] * moved + ["err", "lost"]
     for name in names:
         left = name in ("policy", "tier")
         width = 6 if name == "tier" else len(name)
@@ -116,8 +140,7 @@ def tier_table(report: ReplayReport) -> Table | None:
         if moved:
             io = f"{_count(t.bytes_stored)}/{_count(t.bytes_loaded)}"
             cells += [io, str(t.checksum_failures)]
-        if errors:
-            cells.append(_count(t.errors))
+        cells += [_count(t.errors), _count(t.dropped_blocks)]
         table.add_row(*cells)
     return table
 

@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 
 from kvtier.cli.args import open_workload_from_args
-from kvtier.cli.render import progress_bars, replay_table, tier_table
+from kvtier.cli.render import fault_lines, progress_bars, replay_table, tier_table
 from kvtier.sim.config import ReplayConfig, TimeModel
 from kvtier.sim.session import parse_policies, run_replays
 
@@ -22,6 +22,7 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
         time_model=TimeModel() if args.concurrent else None,
         store_on=args.store_on,
         disk_blocks=args.disk_blocks,
+        disk_dir=args.disk_dir,
         data=args.data,
         redis_url=args.redis,
         redis_namespace=args.redis_namespace,
@@ -40,6 +41,8 @@ def run_replay(args: argparse.Namespace) -> dict[str, Any]:
         tiers = tier_table(report)
         if tiers is not None:
             console.print(tiers)
+        for line in fault_lines(report):
+            console.print(line, soft_wrap=True, highlight=False, markup=False)
     if args.report:
         from kvtier.cli.report import replay_png, replay_rows, tier_rows, write_html
 

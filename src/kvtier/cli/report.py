@@ -95,10 +95,12 @@ def write_html(
 
 def tier_rows(report: ReplayReport) -> list[list[str]]:
     rows = [["policy", "tier", "size", "served", "stores", "evicted", "filtered"]]
-    rows[0] += ["bytes stored", "bytes loaded", "checksum failures"]
+    rows[0] += ["bytes stored", "bytes loaded", "checksum failures", "errors"]
+    rows[0] += ["stores refused", "dropped blocks"]
     for r in report.results:
         for t in r.tiers:
             counts = (t.stores, t.evictions, t.filtered_stores, t.bytes_stored, t.bytes_loaded)
+            faults = (t.checksum_failures, t.errors, t.store_rejections, t.dropped_blocks)
             rows.append(
                 [
                     r.policy,
@@ -106,7 +108,7 @@ def tier_rows(report: ReplayReport) -> list[list[str]]:
                     f"{t.capacity:,}",
                     f"{t.hit_rate:.4f}",
                     *(f"{n:,}" for n in counts),
-                    str(t.checksum_failures),
+                    *(f"{n:,}" for n in faults),
                 ]
             )
     return rows

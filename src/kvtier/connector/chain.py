@@ -122,13 +122,22 @@ class TierChain(OffloadingManager):
                     self._promote(upper, part)
 
     def _promote(self, k: int, hashes: list[BlockHash]) -> None:
-        manager = self.tiers[k][1]
-        out = manager.prepare_store(hashes)
-        if out is None:
-            return
-        self._account(k, out)
-        manager.complete_store(out.block_hashes_to_store)
-        self.resident[k].update(out.block_hashes_to_store)
+        out = self.plan_promotion(k, hashes)
+        if out is not None:
+            self.settle_promotion(k, out.block_hashes_to_store, True)
+
+    def plan_promotion(self, k: int, hashes: list[BlockHash]) -> PrepareStoreOutput | None:
+        """Copy up into tier `k` blocks a lower tier served (with `promote=False`, for a
+        caller that moves the bytes itself); settle with `settle_promotion`."""
+        out = self.tiers[k][1].prepare_store(hashes)
+        if out is not None:
+            self._account(k, out)
+        return out
+
+    def settle_promotion(self, k: int, hashes: list[BlockHash], success: bool) -> None:
+        self.tiers[k][1].complete_store(hashes, success)
+        if success:
+            self.resident[k].update(hashes)
 
     def _account(self, k: int, out: PrepareStoreOutput) -> None:
         self.resident[k].difference_update(out.block_hashes_evicted)

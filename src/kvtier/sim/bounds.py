@@ -28,6 +28,9 @@ class Bounds:
     infinite_prefix_hits: int
     capacity: int
     belady_hits: int
+    # What the bounds take for granted that the replayed tiers may not honour (a
+    # shared tier counted as unbounded, or pre-filled by earlier runs).
+    assumptions: tuple[str, ...] = ()
 
     @property
     def infinite(self) -> float:
@@ -127,7 +130,8 @@ def brute_force_hits(refs: Sequence[int], capacity: int) -> int:
     return max(best.values())
 
 
-def compute_bounds(workload: Workload, capacity: int) -> Bounds:
+def compute_bounds(workload: Workload, capacity: int, assumptions: tuple[str, ...] = ()) -> Bounds:
+    """Both bounds start from empty tiers, at `capacity` blocks in all."""
     hits, prefix_hits = infinite_hits(workload.block_ids)
     return Bounds(
         block_refs=workload.block_refs,
@@ -135,4 +139,5 @@ def compute_bounds(workload: Workload, capacity: int) -> Bounds:
         infinite_prefix_hits=prefix_hits,
         capacity=capacity,
         belady_hits=belady_hits(flatten(workload), capacity),
+        assumptions=assumptions,
     )

@@ -60,6 +60,10 @@ class BytesPlane(Protocol):
         """Write the blocks; each tier's part succeeds or fails on its own."""
         ...
 
+    def unreadable(self, disk_hashes: list[BlockHash]) -> set[BlockHash]:
+        """Those of these disk blocks whose files would not load (missing or corrupt)."""
+        ...
+
     def take_lost(self) -> list[BlockHash]: ...
 
     def close(self) -> None: ...
@@ -104,6 +108,9 @@ class NoBytes:
         self, spec: LoadStoreSpec, device_ids: Sequence[int], hashes: list[BlockHash]
     ) -> list[tuple[str, bool]]:
         return [(name, True) for name, _, _ in parts_of(spec, hashes)]
+
+    def unreadable(self, disk_hashes: list[BlockHash]) -> set[BlockHash]:
+        return set()
 
     def take_lost(self) -> list[BlockHash]:
         return []
@@ -287,6 +294,23 @@ class DataPlane:
             return 0
         stats = remote.stats
         return stats.errors + stats.skipped_calls
+
+    def unreadable(self, disk_hashes: list[BlockHash]) -> set[BlockHash]:
+        """Read each block's file and check it, as a load would (a bad one is dropped by
+        the store and reported by `take_lost`); nothing reaches the engine."""
+        from kvtier.store.protocol import BlockLoadError
+
+        store = self.stack.disk_store
+        if store is None or not disk_hashes:
+            return set()
+        scratch = memoryview(bytearray(self._size))
+        bad = set()
+        for block_hash in disk_hashes:
+            try:
+                store.read([block_hash], [scratch])
+            except BlockLoadError:
+                bad.add(block_hash)
+        return bad
 
     def take_lost(self) -> list[BlockHash]:
         """Disk blocks whose demotion failed or whose file was found corrupt or missing."""

@@ -90,11 +90,8 @@ class Ledger:
     # --- what a request got ---------------------------------------------------------
 
     def present(self, block_hash: BlockHash) -> bool:
+        """In some tier, as far as the replay knows (a shared tier may have lost it)."""
         return any(block_hash in r for r in self.resident.values())
-
-    def count_present(self, hashes: Iterable[BlockHash]) -> int:
-        residents = list(self.resident.values())
-        return sum(1 for h in hashes if any(h in r for r in residents))
 
     def served(self, request: int, tiers: Sequence[str], start: int = 0) -> None:
         """Blocks `start, start+1, ...` of `request` reached the engine from `tiers`."""

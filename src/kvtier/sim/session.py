@@ -80,6 +80,7 @@ class ReplayReport:
                 "infinite": self.bounds.infinite,
                 "belady": self.bounds.belady,
                 "infinite_prefix": self.bounds.infinite_prefix,
+                "assumptions": list(self.bounds.assumptions),
             },
             "results": [r.to_json() for r in self.results],
         }
@@ -101,7 +102,9 @@ def run_replays(
         requests=len(workload.requests),
         block_refs=workload.block_refs,
         unique_blocks=workload.unique_blocks,
-        bounds=compute_bounds(workload, config.total_capacity(workload)),
+        bounds=compute_bounds(
+            workload, config.total_capacity(workload), config.bound_assumptions()
+        ),
         results=tuple(results),
         config=config,
     )

@@ -99,8 +99,7 @@ class TierStack:
 def build_stack(
     workload: Workload, config: ReplayConfig, layout: KVLayout | None = None
 ) -> TierStack:
-    """`layout`: the bytes plane's (real bytes: disk files, real Redis values, and no
-    promotion from Redis, whose copy into CPU slots the chain would make without them)."""
+    """`layout`: the bytes plane's (real bytes: disk files and real Redis values)."""
     closing = contextlib.ExitStack()
     try:
         return _build(workload, config, layout, closing)
@@ -152,8 +151,8 @@ def _build(
             synthetic_payload_bytes=payload, enable_events=True
         )
         capacities["remote"] = 0
-        stack.chain = TierChain([("cpu", stack.local), ("remote", stack.remote_manager)])
-        stack.chain.promote = layout is None
+        # The step promotes (`kvtier.sim.step`), so that bytes follow with a bytes plane.
+        stack.chain = TierChain([("cpu", stack.local), ("remote", stack.remote_manager)], False)
         stack.manager = stack.chain
     return stack
 

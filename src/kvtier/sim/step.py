@@ -2,10 +2,13 @@
 
 A request goes through four moments, in this order, whatever the mode:
 
-1. `admit`: hits at any position are counted; the tiers are asked for the prefix
-   (the accelerator first when there is one, through the connector, as an engine's
-   scheduler would); the hit blocks are pinned and their bytes loaded; all of the
-   request's blocks are touched. None: no room in the accelerator now.
+1. `admit`: the tiers are asked for the prefix (the accelerator first when there
+   is one, through the connector, as an engine's scheduler would); the hit blocks
+   are pinned and their bytes loaded; all of the request's blocks are touched.
+   Hits at any position are the blocks served plus those a local tier held beyond
+   the prefix: a block whose load failed is no hit at all, and the blocks of a
+   failed load are forgotten by the disk tier (it cannot vouch for them). None: no
+   room in the accelerator now.
 2. `loaded`: the load's completion reaches the tiers (a failed one as a failure).
 3. `computed`: the prefill computed the blocks no tier served; they are offered to
    the tiers, and the stores run and complete.
@@ -66,6 +69,9 @@ class Step(Protocol):
     def finished(self, p: Pending) -> None: ...
 
 
+HELD, ON_DISK, NOWHERE = 0, 1, 2
+
+
 class _Settling:
     """What both fronts do with the tiers' answers: events, stores, lost blocks."""
 
@@ -84,6 +90,54 @@ class _Settling:
             for (name, part, _), (_, ok) in zip(parts_of(spec, stored), results, strict=True):
                 chain.complete_part(name, part, ok)
         return all(ok for _, ok in results)
+
+    def locate(self, hashes: list[BlockHash], in_gpu: list[bool] | None = None) -> list[int]:
+        """Where each block is now: HELD in memory (accelerator, CPU), ON_DISK only, or
+        NOWHERE the replay can vouch for (the shared tier counts only when it serves)."""
+        resident = self.ledger.resident
+        memory = [r for name, r in resident.items() if name not in ("disk", "remote")]
+        disk = resident.get("disk", set())
+        gpu = in_gpu or [False] * len(hashes)
+        return [
+            HELD if cached or any(h in r for r in memory) else ON_DISK if h in disk else NOWHERE
+            for h, cached in zip(hashes, gpu, strict=True)
+        ]
+
+    def held_beyond(self, hashes: list[BlockHash], where: list[int]) -> int:
+        """Blocks past the prefix that a local tier holds and could serve: those only on
+        disk are read and checked first (with real bytes), so a corrupt file is no hit."""
+        on_disk = [h for h, w in zip(hashes, where, strict=True) if w == ON_DISK]
+        bad = self.plane.unreadable(on_disk) if on_disk else set()
+        return where.count(HELD) + len(on_disk) - len(bad)
+
+    def promote(self, spec: LoadStoreSpec, loaded: list[BlockHash], ids: Sequence[int]) -> None:
+        """Copy blocks a lower tier served up into the local tier, bytes included (the
+        chain's own promotion would move none): they are regenerated from their hashes,
+        which the load just verified, so the source is right even if the engine cache
+        was reused since."""
+        chain = self.stack.chain
+        if chain is None:
+            return
+        position = dict(zip(loaded, ids, strict=True))
+        for name, part, _ in parts_of(spec, loaded):
+            if name == "cpu":
+                continue
+            out = chain.plan_promotion(0, part)
+            self.drain()
+            if out is None or not out.block_hashes_to_store:
+                continue
+            stored = out.block_hashes_to_store
+            stored_ids = [position[h] for h in stored]
+            self.plane.compute(stored_ids, stored)
+            (_, ok), *_ = self.plane.store(out.store_spec, stored_ids, stored)
+            chain.settle_promotion(0, stored, ok)
+            self.drain()
+
+    def distrust(self, spec: LoadStoreSpec, loaded: list[BlockHash]) -> None:
+        """A load failed: its disk blocks are forgotten once unpinned (the disk store
+        drops the first bad file it meets; the others of the job may be bad too)."""
+        tiers = position_tiers(spec, len(loaded))
+        self._lost.update(h for h, tier in zip(loaded, tiers, strict=True) if tier == "disk")
 
     def forget_lost(self) -> None:
         """Disk blocks the bytes plane lost leave the cascade (dropped, not evicted).
@@ -121,8 +175,9 @@ class OffloadStep(_Settling):
     def admit(self, index: int) -> Pending:
         w, ledger, manager = self.workload, self.ledger, self.stack.manager
         hs = w.block_hashes[index]
-        ledger.any_hits += ledger.count_present(hs)
         hit = manager.lookup(hs) or 0  # None ("ask again") is a miss for a replay
+        beyond = hs[hit:]
+        ledger.any_hits += self.held_beyond(beyond, self.locate(beyond))
         p = Pending(index, hs, 0, loaded_blocks=hit)
         if hit:
             loaded = hs[:hit]
@@ -132,6 +187,9 @@ class OffloadStep(_Settling):
             if p.load_ok:  # a failed or corrupt load is a miss: recompute
                 p.served = hit
                 ledger.served(index, position_tiers(spec, hit))
+            else:
+                self.distrust(spec, loaded)
+        ledger.any_hits += p.served
         input_length = w.requests[index].input_length
         ledger.prefill_tokens_saved += served_tokens(p.served, w.block_size, input_length)[1]
         p.uncached_tokens = max(0, input_length - hit * w.block_size)
@@ -141,8 +199,11 @@ class OffloadStep(_Settling):
 
     def loaded(self, p: Pending) -> None:
         if p.load is not None:
-            settle_load(self.stack.manager, p.load[0], p.load_ok)
+            loaded, spec = p.load
+            settle_load(self.stack.manager, loaded, p.load_ok)
             self.drain()
+            if p.load_ok:
+                self.promote(spec, loaded, range(len(loaded)))
             self.forget_lost()
 
     def computed(self, p: Pending) -> None:
@@ -210,13 +271,11 @@ class ConnectorStep(_Settling):
     def admit(self, index: int) -> Pending | None:
         c, ledger, bs = self.connector, self.ledger, self.workload.block_size
         request, hs = self._requests[index], self.workload.block_hashes[index]
-        is_cached = c.gpu.is_cached
-        present = sum(1 for h in hs if is_cached(h) or ledger.present(h))
+        where = self.locate(hs, list(map(c.gpu.is_cached, hs)))  # before admission moves any
         adm = c.admit(request)
         self.drain()
         if adm is None:
             return None
-        ledger.any_hits += present
         hashes = self._hashes(request)
         ids = c.gpu.get_block_ids(request.request_id)
         gpu_hit, ext = adm.gpu_hit_blocks, adm.offload_hit_blocks
@@ -231,6 +290,11 @@ class ConnectorStep(_Settling):
             if p.load_ok:
                 p.served += ext
                 ledger.served(index, position_tiers(job.spec, ext), start=gpu_hit)
+            else:
+                self.distrust(job.spec, job.block_hashes)
+        # At any position: what was served, and what sat in a tier beyond the prefix.
+        first = gpu_hit + ext
+        ledger.any_hits += p.served + self.held_beyond(hs[first:], where[first:])
         ledger.prefill_tokens_saved += p.served * bs  # the connector kept the last token
         full = request.num_prompt_tokens // bs
         ledger.tiers["gpu"].stores += full - gpu_hit
@@ -243,8 +307,11 @@ class ConnectorStep(_Settling):
     def loaded(self, p: Pending) -> None:
         adm = p.admission
         if adm is not None and adm.load is not None:
-            self.connector.finish_load(adm.load, p.load_ok)
+            job = adm.load
+            self.connector.finish_load(job, p.load_ok)
             self.drain()
+            if p.load_ok:
+                self.promote(job.spec, job.block_hashes, job.gpu_block_ids)
             self.forget_lost()
 
     def computed(self, p: Pending) -> None:
