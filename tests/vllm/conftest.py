@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.vllm import transfer_config
 from tests.vllm.engine import (
     TINY,
     EngineJob,
@@ -105,10 +104,3 @@ def tiny_model(engine_runs: EngineRuns) -> Path:
 def baseline_run(engine_runs: EngineRuns, tiny_model: Path) -> EngineRun:
     """vLLM's own engine (no connector) on the overflow workload, with KV events."""
     return engine_runs.run("baseline", overflow_job(tiny_model, TINY.vocab), events=True)
-
-
-@pytest.fixture(scope="session")
-def kvtier_cpu_run(engine_runs: EngineRuns, tiny_model: Path) -> EngineRun:
-    """The same workload with kvtier's CPU tier behind vLLM's offloading connector."""
-    config = transfer_config(cpu_bytes_to_use=64 << 20)
-    return engine_runs.run("kvtier-cpu", overflow_job(tiny_model, TINY.vocab, config), events=True)
