@@ -284,3 +284,26 @@ def test_failure_prone_tiers_need_kvtier_connector(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match='"kv_connector": "KvtierConnector"'):
         KvtierOffloadingSpec(offloading_config(extra))
     KvtierOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}))  # CPU only: fine
+
+
+def test_a_key_listed_twice_is_stored_once_and_settled_once(engines: list[Engine]) -> None:
+    """Issue 17's bug class at the vLLM boundary: a repeated key never takes two slots,
+    and a failed store of it frees its slot once (two live blocks never share one)."""
+    engine = Engine({"cpu_bytes_to_use": 2 * BLOCK_BYTES})
+    engines.append(engine)
+    k1, k2, k3, k4 = keys_of(4)
+    out = engine.manager.prepare_store([k1, k1], engine.ctx)
+    assert out is not None and out.keys_to_store == [k1]
+    (part,) = out.store_spec.parts
+    assert part.spec.block_ids.tolist() == [0]
+    engine.manager.complete_store([k1, k1], engine.ctx, success=False)
+    slots = []
+    for key in (k2, k3, k4):
+        out = engine.manager.prepare_store([key], engine.ctx)
+        assert out is not None
+        (slot,) = out.store_spec.parts[0].spec.block_ids.tolist()
+        slots.append(slot)
+        engine.manager.complete_store([key], engine.ctx)
+    assert sorted(slots[:2]) == [0, 1]  # both slots free again, each handed out once
+    assert slots[2] == slots[0]  # k4 takes the slot of k2, the least recent; k3 keeps its own
+    assert engine.hits([k3]) == 1 and engine.hits([k4]) == 1 and engine.hits([k2]) == 0
