@@ -100,3 +100,12 @@ def test_a_failed_construction_leaves_no_worker_running() -> None:
     with pytest.raises(OSError, match="unreachable"):
         DataPlane(layout, 4, stack, Ledger(workload, stack.counters()))
     assert threading.active_count() == before  # the CPU tier's worker was closed
+
+
+def test_data_without_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # as after `make demo`: no torch
+    workload = generate_workload(GeneratorConfig(num_requests=2), seed=1)
+    with pytest.raises(ValueError, match=r"pip install 'kvtier\[torch\]'"):
+        replay(workload, ReplayConfig(data=True))
