@@ -189,8 +189,10 @@ def test_generated_workload_shape_flags(capsys: pytest.CaptureFixture[str]) -> N
     docs = _json(capsys, "replay", "--json", "--requests", "40", "--mix", "0,0,1")
     assert docs["requests"] == 40
     assert docs["bounds"]["infinite"] == 0.0  # type: ignore[index]  # documents only: no reuse
-    assert main(["replay", "--mix", "1,2"]) == 2
-    assert "mix must be 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # argparse's own usage error
+        main(["replay", "--mix", "1,2"])
+    assert refused.value.code == 2
+    assert "--mix: expected 3 comma-separated shares" in capsys.readouterr().err
 
 
 def test_bailian_and_token_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -48,3 +48,13 @@ def test_mix_shapes_reuse() -> None:
 def test_bad_config_rejected(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         GeneratorConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_first_n_requests_do_not_depend_on_how_many_are_generated() -> None:
+    """The CLI generates only --limit requests (issue 15 item 8): the same ones."""
+    from kvtier.sim.generator import GeneratorConfig, generate_workload
+
+    for seed in (0, 3):
+        many = generate_workload(GeneratorConfig(num_requests=2000), seed).limited(37)
+        few = generate_workload(GeneratorConfig(num_requests=37), seed)
+        assert (many.requests, many.block_ids) == (few.requests, few.block_ids)

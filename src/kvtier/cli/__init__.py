@@ -10,7 +10,20 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from kvtier.cli.checks import (
+    Given,
+    ReportError,
+    Terminated,
+    allow_negative_lists,
+    check_memory,
+    inapplicable_flags,
+    mix,
+    reclaim_replay_dirs,
+    stop_on_sigterm,
+    unwritable_output,
+)
 from kvtier.sim.generator import GeneratorConfig
 from kvtier.sim.traces import TraceFormatError
 from kvtier.sim.workload import FORMATS
@@ -31,7 +44,9 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help="trace file (default: the built-in generated workload)")
-    p.add_argument("--format", choices=FORMATS, default="mooncake", help="trace format")
+    p.add_argument(
+        "--format", action=Given, choices=FORMATS, default="mooncake", help="trace format"
+    )
     p.add_argument("--policy", default="lru,arc", help="policy or comma list (default lru,arc)")
     p.add_argument(
         "--store-threshold",
@@ -40,15 +55,20 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="reuse filter: store a block once seen K>=2 times (0: off)",
     )
     p.add_argument("--limit", type=_int_at_least(1), help="replay the first N requests only")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
+    p.add_argument(
+        "--seed", action=Given, type=int, default=0, help="seed of the generated workload"
+    )
     p.add_argument(
         "--requests",
+        action=Given,
         type=_int_at_least(1),
         default=GeneratorConfig.num_requests,
         help="generated workload: number of requests",
     )
     p.add_argument(
         "--mix",
+        action=Given,
+        type=mix,
         default=",".join(str(x) for x in GeneratorConfig.mix),
         help="generated workload: shares of chats, agents, documents (e.g. 0.6,0.3,0.1)",
     )
@@ -69,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--cpu-frac", type=float, help="CPU tier as a fraction of unique blocks")
     rp.add_argument(
         "--store-on",
+        action=Given,
         choices=("compute", "evict"),
         default="compute",
         help="with a GPU tier: store to CPU once computed (vLLM) or on GPU eviction",
@@ -93,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--redis", metavar="URL", help="add a shared Redis tier below")
     rp.add_argument(
         "--redis-namespace",
+        action=Given,
         metavar="NAME",
         help="Redis key namespace (default: fresh per replay; share it to share blocks)",
     )
@@ -104,23 +126,51 @@ def build_parser() -> argparse.ArgumentParser:
         help="capacities as fractions of the unique blocks (comma list)",
     )
     cp.add_argument("--png", metavar="FILE.png", help="write the plot as PNG")
+    for p in (parser, rp, cp):
+        allow_negative_lists(p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = inapplicable_flags(args) or unwritable_output(args)
+    if problem:
+        print(f"kvtier {args.command}: error: {problem}", file=sys.stderr)
+        return 2
     try:
-        if args.command == "replay":
-            from kvtier.cli.replay import run_replay
-
-            document = run_replay(args)
-        else:
-            from kvtier.cli.compare import run_compare
-
-            document = run_compare(args)
+        with stop_on_sigterm():
+            document = _run(args)
+    except ReportError as e:
+        if args.json:  # the run's results are not lost with the report
+            print(json.dumps(e.document, indent=2))
+        print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except (TraceFormatError, ValueError, KeyError, OSError) as e:
         print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except MemoryError:  # what the size checks did not foresee
+        print(f"kvtier {args.command}: error: out of memory; give smaller sizes", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): one line, no traceback
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"kvtier {args.command}: {how}", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     if args.json:
         print(json.dumps(document, indent=2))
     return 0
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvtier.cli.checks import block_bytes_of
+
+    check_memory(args, block_bytes_of(args))
+    if args.command == "replay":
+        from kvtier.cli.replay import run_replay
+
+        if args.disk_blocks and args.data:
+            reclaim_replay_dirs()  # what a SIGKILLed replay left behind
+        return run_replay(args)
+    from kvtier.cli.compare import run_compare
+
+    return run_compare(args)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from kvtier.cli.args import open_workload_from_args
+from kvtier.cli.checks import ReportError
 from kvtier.cli.render import progress_bars, sweep_table
 from kvtier.sim.config import ReplayConfig
 from kvtier.sim.session import capacities_from_fractions, parse_policies, sweep
@@ -36,11 +36,14 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     if not args.json:
         console.print(sweep_table(report))
     if args.png or args.report:
-        from kvtier.cli.report import sweep_png, sweep_rows, write_html
+        from kvtier.cli.report import sweep_png, sweep_rows, write_html, write_output
 
         png = sweep_png(report)
-        if args.png:
-            Path(args.png).write_bytes(png)
-        if args.report:
-            write_html(args.report, f"kvtier compare: {report.trace}", sweep_rows(report), png)
+        try:
+            if args.png:
+                write_output(args.png, png)
+            if args.report:
+                write_html(args.report, f"kvtier compare: {report.trace}", sweep_rows(report), png)
+        except OSError as e:
+            raise ReportError(str(e), report.to_json()) from None
     return report.to_json()

@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 
 from kvtier.cli.args import open_workload_from_args
+from kvtier.cli.checks import ReportError
 from kvtier.cli.render import fault_lines, progress_bars, replay_table, tier_table
 from kvtier.sim.config import ReplayConfig, TimeModel
 from kvtier.sim.session import parse_policies, run_replays
@@ -48,7 +49,10 @@ def run_replay(args: argparse.Namespace) -> dict[str, Any]:
 
         title = f"kvtier replay: {report.trace}"
         png = replay_png(report)
-        write_html(args.report, title, replay_rows(report), png, tier_rows(report))
+        try:
+            write_html(args.report, title, replay_rows(report), png, tier_rows(report))
+        except OSError as e:
+            raise ReportError(str(e), report.to_json()) from None
         if not args.json:
             console.print(f"report written to {args.report}")
     return report.to_json()

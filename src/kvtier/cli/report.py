@@ -67,6 +67,14 @@ def _png(fig: Figure) -> bytes:
     return buffer.getvalue()
 
 
+def write_output(path: str | Path, data: bytes) -> None:
+    """Write a report or plot file; an error names the file (a bare ENOSPC does not)."""
+    try:
+        Path(path).write_bytes(data)
+    except OSError as e:
+        raise OSError(f"{path}: cannot write ({e.strerror or e})") from None
+
+
 def _table(rows: list[list[str]]) -> str:
     head, *body = rows
     cells = "".join(f"<th>{html.escape(c)}</th>" for c in head)
@@ -82,15 +90,15 @@ def write_html(
     """One self-contained file: the tables and the plot inlined as base64 PNG."""
     image = base64.b64encode(png).decode("ascii")
     tables = "<p></p>".join(_table(rows) for rows in (table_rows, *more))
-    Path(path).write_text(
+    page = (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>"
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style></head><body>"
         f"<h1>{html.escape(title)}</h1>{tables}"
-        f"<p><img alt='hit rate plot' src='data:image/png;base64,{image}'></p></body></html>",
-        encoding="utf-8",
+        f"<p><img alt='hit rate plot' src='data:image/png;base64,{image}'></p></body></html>"
     )
+    write_output(path, page.encode())
 
 
 def tier_rows(report: ReplayReport) -> list[list[str]]:

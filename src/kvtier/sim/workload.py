@@ -29,6 +29,13 @@ FORMATS: tuple[str, ...] = ("mooncake", "bailian", "tokens")
 _FORMAT_BLOCK_SIZE = {"mooncake": 512, "bailian": 16, "tokens": 16}
 
 
+def format_block_size(fmt: str) -> int:
+    """Tokens per hash id in a trace format (`FORMATS`)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown trace format {fmt!r}; known: {', '.join(FORMATS)}")
+    return _FORMAT_BLOCK_SIZE[fmt]
+
+
 @dataclass(frozen=True)
 class Workload:
     """Requests sorted by arrival (stable), each with de-duplicated block ids."""
@@ -92,10 +99,8 @@ def _dedupe(ids: Sequence[int]) -> tuple[int, ...]:
 
 def load_workload(path: str | Path, fmt: str = "mooncake", *, limit: int | None = None) -> Workload:
     """Read a trace file in one of `FORMATS` as a replayable workload."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown trace format {fmt!r}; known: {', '.join(FORMATS)}")
+    block_size = format_block_size(fmt)
     path = Path(path)
-    block_size = _FORMAT_BLOCK_SIZE[fmt]
     if fmt == "mooncake":
         requests = read_mooncake(path, block_size)
     elif fmt == "bailian":
