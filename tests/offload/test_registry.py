@@ -49,7 +49,7 @@ def test_builtin_names() -> None:
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown cache policy 'lfu'.*\['arc', 'lru'\]"):
+    with pytest.raises(ValueError, match=r"unknown cache policy 'lfu'.*\['arc', 'lru', 'reuse'\]"):
         get_policy_class("lfu")
     with pytest.raises(ValueError, match="unknown cache policy"):
         CPUOffloadingManager(16, 4, "lfu")

@@ -15,6 +15,7 @@ from kvtier.offload.policies.base import CachePolicy
 _BUILTIN: dict[str, str] = {
     "lru": "kvtier.offload.policies.lru:LRUCachePolicy",
     "arc": "kvtier.offload.policies.arc:ARCCachePolicy",
+    "reuse": "kvtier.offload.policies.reuse:ReuseCachePolicy",
 }
 
 _registered: dict[str, type[CachePolicy]] = {}
