@@ -3,11 +3,13 @@ figures on the public trace and the generated workloads (never below LRU)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
+from kvtier.cli import main
 from kvtier.offload import CPUOffloadingManager, PolicyOffloadingManager
 from kvtier.offload.policies.reuse import SETTINGS, ReuseCachePolicy
 from kvtier.offload.policies.scored import COLD, MORE, NEW, NEW_IN_CHAIN, TWICE
@@ -188,3 +190,15 @@ def test_never_below_lru_on_generated_workloads(mix: tuple[float, float, float])
         lru = replay(workload, ReplayConfig("lru", cpu_frac=fraction)).prefix_hit_blocks
         ours = replay(workload, ReplayConfig("reuse", cpu_frac=fraction)).prefix_hit_blocks
         assert ours >= lru, (mix, fraction)
+
+
+def test_compare_shows_reuse_beside_lru_arc_and_belady(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "sweep.png"
+    argv = ["compare", "--limit", "150", "--fracs", "0.02,0.1", "--policy", "lru,arc,reuse"]
+    assert main([*argv, "--png", str(png), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in doc["results"]] == ["lru", "arc", "reuse"] * 2
+    assert set(doc["bounds"]) >= {"belady", "infinite"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
