@@ -226,7 +226,7 @@ def test_redis_shared_between_engines_and_killed(engines: list[Engine], tmp_path
     server: RedisServer = next(server_cm)
     try:
         extra = {"cpu_bytes_to_use": 2 * BLOCK_BYTES, "redis_url": server.url}
-        writer, reader = Engine(extra), Engine(extra)
+        writer, reader = Engine(extra), Engine(extra | {"cpu_bytes_to_use": 8 * BLOCK_BYTES})
         engines += [writer, reader]
         keys = keys_of(4, start=100)
         data = writer.compute(list(range(4)), seed=4)
@@ -242,6 +242,15 @@ def test_redis_shared_between_engines_and_killed(engines: list[Engine], tmp_path
         errors, _ = reader.load(keys, [8, 9, 10, 11])
         assert not errors
         assert [reader.block_bytes(i) for i in (8, 9, 10, 11)] == list(data.values())
+        # promoted into the reader's CPU tier: the next hit is local, with the same bytes
+        assert reader.manager.local.lookup([k[:-4] for k in keys]) == 4
+        reader.compute(list(range(DEVICE_BLOCKS)), seed=7)
+        spec = reader.manager.prepare_load(keys, reader.ctx)
+        assert [p.tier for p in spec.parts] == ["local"]
+        reader.manager.complete_load(set(keys), reader.ctx)
+        errors, _ = reader.load(keys, [0, 1, 2, 3])
+        assert not errors
+        assert [reader.block_bytes(i) for i in range(4)] == list(data.values())
 
         # the server dies between the lookup and the load: a failed load, nothing raises
         more = keys_of(2, start=200)
@@ -254,6 +263,7 @@ def test_redis_shared_between_engines_and_killed(engines: list[Engine], tmp_path
         server.kill()
         errors, report = reader.load(more, [12, 13])
         assert errors == {12, 13} and report.failed_loads == [[k[:-4] for k in more]]
+        assert reader.manager.local.lookup([k[:-4] for k in more]) == 0  # nothing promoted
         writer.compute([2], seed=6)
         stored = writer.store(keys_of(1, start=300), [2])  # the CPU part still stores
         assert stored

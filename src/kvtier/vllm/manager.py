@@ -13,7 +13,11 @@ and kvtier's vLLM 0.19 interface use, so a replay predicts what an engine does.
 vLLM asks about one key at a time, walking a request's chunks in order; a chunk held
 locally is a hit there first. Stores are offered to both tiers (write-through to the
 shared tier, as kvtier's `TierChain` does), and one store job carries each tier's
-part. What the worker reports as failed (a part of a job, a disk block found corrupt,
+part. Blocks a load takes from Redis are promoted into the local tier: the load job
+writes them from the device into local slots once they are in, and the promotion
+completes with the load (a failed load promotes nothing).
+
+What the worker reports as failed (a part of a job, a disk block found corrupt,
 a demotion that did not reach the disk) comes back through `KvtierConnector` and is
 applied by `apply_worker_report` before vLLM completes the job, so a failed store is
 never made readable and a corrupt block is forgotten.
@@ -68,6 +72,7 @@ _MEDIA: dict[str, tuple[Medium, Locality]] = {
 
 
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+_Load = tuple[list[tuple[str, list[BlockHash]]], list[BlockHash]]
 
 
 def block_hash_of(key: OffloadKey) -> BlockHash:
@@ -106,7 +111,8 @@ class KvtierOffloadingManager(OffloadingManager):
         self._on_close = on_close
         self._take_discards = take_discards or list
         # vLLM completes a load with its keys as a set: loads are found by key set
-        self._loads: defaultdict[frozenset[BlockHash], deque[list[tuple[str, list[BlockHash]]]]]
+        # (each load: the parts taken from each tier, and the blocks promoted locally)
+        self._loads: defaultdict[frozenset[BlockHash], deque[_Load]]
         self._loads = defaultdict(deque)
         self._storing: dict[BlockHash, list[str]] = {}
         self._found: OrderedDict[BlockHash, tuple[str, float]] = OrderedDict()
@@ -176,8 +182,23 @@ class KvtierOffloadingManager(OffloadingManager):
             for name, part in taken:
                 self._tier(name).complete_load(part)
             raise
-        self._loads[frozenset(hashes)].append(taken)
+        spec.promotion = self._plan_promotion(spec.parts)
+        promoted = spec.promotion.block_hashes if spec.promotion is not None else []
+        self._loads[frozenset(hashes)].append((taken, promoted))
         return spec
+
+    def _plan_promotion(self, parts: list[Part]) -> Part | None:
+        """Local slots for what Redis serves, as kvtier's `TierChain` promotes (a refused
+        or full local tier just means no promotion)."""
+        remote = next((p for p in parts if p.tier == REMOTE), None)
+        if remote is None:
+            return None
+        out = self.local.prepare_store(remote.block_hashes)
+        if out is None or not out.block_hashes_to_store:
+            return None
+        position = dict(zip(remote.block_hashes, remote.positions, strict=True))
+        promoted = out.block_hashes_to_store
+        return Part(LOCAL, [position[h] for h in promoted], promoted, out.store_spec)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         hashes = [block_hash_of(k) for k in keys]
@@ -190,17 +211,23 @@ class KvtierOffloadingManager(OffloadingManager):
         pending = self._loads.get(hashes)
         if not pending:
             raise KeyError(f"complete_load: no load in flight for these {len(hashes)} blocks")
-        parts = pending.popleft()
+        parts, promoted = pending.popleft()
         if not pending:
             del self._loads[hashes]
+        remote_ok = True
         for name, part in parts:
             failed = not self._failed_loads.isdisjoint(part)
             self._failed_loads.difference_update(part)
+            remote_ok &= name != REMOTE or not failed
             tier = self._tier(name)
             if isinstance(tier, CascadeOffloadingManager):  # its promotions settle with it
                 tier.complete_load(part, success=not failed)
             else:
                 tier.complete_load(part)
+        if promoted:
+            bad = {h for h in promoted if (LOCAL, h) in self._failed_stores}
+            self._failed_stores.difference_update((LOCAL, h) for h in bad)
+            self.local.complete_store(promoted, remote_ok and not bad)
         self._forget()
 
     # --- stores --------------------------------------------------------------
@@ -277,7 +304,8 @@ class KvtierOffloadingManager(OffloadingManager):
             self._to_forget = {h for h in self._to_forget if h in self._pinned()}
 
     def _pinned(self) -> set[BlockHash]:
-        return {h for parts in self._loads.values() for taken in parts for _, p in taken for h in p}
+        loads = self._loads.values()
+        return {h for queued in loads for taken, _ in queued for _, part in taken for h in part}
 
     # --- events, lifecycle ---------------------------------------------------
 

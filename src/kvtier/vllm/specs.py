@@ -41,8 +41,12 @@ class KvtierStoreSpec(LoadStoreSpec):
 
 @dataclass
 class KvtierLoadSpec(LoadStoreSpec):
+    """`promotion`: local slots for the blocks the remote part brings in, written from
+    the device once that part has loaded (so the next hit on them is local)."""
+
     parts: list[Part] = field(default_factory=list)
     discards: list[BlockHash] = field(default_factory=list)
+    promotion: Part | None = None
 
 
 @dataclass

@@ -104,6 +104,7 @@ class _Job:
 
     is_load: bool
     device_ids: npt.NDArray[np.int64]
+    promotion: Part | None = None  # written once the remote part has loaded
     waiting: dict[int, Part] = field(default_factory=dict)
     ok: bool = True
     bytes: int = 0
@@ -174,7 +175,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         device_ids = np.asarray(gpu.block_ids, dtype=np.int64)
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_store(next(self._sub_ids), [], DiscardSpec(spec.discards))
-        job = _Job(is_load, device_ids)
+        job = _Job(is_load, device_ids, getattr(spec, "promotion", None))
         subs = [(next(self._sub_ids), part) for part in spec.parts]
         with self._lock:
             self._jobs[job_id] = job
@@ -195,9 +196,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
     # --- results -------------------------------------------------------------
 
     def get_finished(self) -> list[TransferResult]:
-        for tier, worker in self.workers.items():
-            for result in worker.get_finished():
-                self._settle(tier, result.job_id, result.ok, result.bytes)
+        self._poll()
         if self.disk is not None:
             corrupt = self.disk.take_dropped()
             lost = self._handler.take_lost() if self._handler is not None else []
@@ -208,7 +207,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
             results, self._results = self._results, []
         return results
 
+    def _poll(self) -> None:
+        for tier, worker in list(self.workers.items()):
+            for result in worker.get_finished():
+                self._settle(tier, result.job_id, result.ok, result.bytes)
+
     def _settle(self, tier: str, sub: int, ok: bool, nbytes: int) -> None:
+        promote: tuple[int, Part, npt.NDArray[np.int64]] | None = None
         with self._lock:
             job_id = self._owner.pop((tier, sub), None)
             if job_id is None:
@@ -216,15 +221,27 @@ class KvtierOffloadingWorker(OffloadingWorker):
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
             job.bytes += nbytes
-            if not ok:
+            loaded_remote = job.is_load and tier == REMOTE
+            if not ok and job.is_load and part is not job.promotion:
                 job.ok = False
-                if job.is_load:
-                    self._report.failed_loads.append(part.block_hashes)
-                    self._load_errors.update(int(i) for i in job.device_ids[part.positions])
+                self._report.failed_loads.append(part.block_hashes)
+                self._load_errors.update(int(i) for i in job.device_ids[part.positions])
+            elif not ok:  # a store, or a promotion (its load went fine: not a failed load)
+                job.ok = job.ok and job.is_load
+                self._report.failed_stores.setdefault(part.tier, []).extend(part.block_hashes)
+            if loaded_remote and job.promotion is not None:
+                if ok:  # the device now holds the blocks: copy them into their local slots
+                    promote = (next(self._sub_ids), job.promotion, job.device_ids)
+                    job.waiting[promote[0]] = job.promotion
+                    self._owner[LOCAL, promote[0]] = job_id
                 else:
-                    self._report.failed_stores.setdefault(tier, []).extend(part.block_hashes)
+                    failed = self._report.failed_stores.setdefault(LOCAL, [])
+                    failed.extend(job.promotion.block_hashes)
             if not job.waiting:
                 self._finish(job_id, job)
+        if promote is not None:
+            sub, promotion, device_ids = promote
+            self.workers[LOCAL].submit_store(sub, device_ids[promotion.positions], promotion.spec)
 
     def _finish(self, job_id: int, job: _Job) -> None:
         del self._jobs[job_id]
@@ -243,15 +260,20 @@ class KvtierOffloadingWorker(OffloadingWorker):
         return errors
 
     def wait(self, job_ids: set[int]) -> None:
-        with self._lock:
-            subs = {
-                (part.tier, sub)
-                for job_id in job_ids
-                if (job := self._jobs.get(job_id)) is not None
-                for sub, part in job.waiting.items()
-            }
-        for tier, worker in self.workers.items():
-            worker.wait([sub for t, sub in subs if t == tier])
+        """Block until these jobs are done (a promotion starts only after its load)."""
+        while True:
+            with self._lock:
+                subs = {
+                    (part.tier, sub)
+                    for job_id in job_ids
+                    if (job := self._jobs.get(job_id)) is not None
+                    for sub, part in job.waiting.items()
+                }
+            if not subs:
+                return
+            for tier, worker in self.workers.items():
+                worker.wait([sub for t, sub in subs if t == tier])
+            self._poll()
 
     def shutdown(self) -> None:
         for worker in self.workers.values():
