@@ -36,7 +36,7 @@ class Manager(Protocol):
 
 
 class OrderedDictManager:
-    """Baseline: SEMANTICS.md section 2 written the obvious way (no sliding window)."""
+    """Baseline: docs/semantics.md section 2 written the obvious way (no sliding window)."""
 
     def __init__(self, block_size: int, num_gpu_blocks: int) -> None:
         self.block_size = block_size

@@ -24,8 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tests.reference.vllm_offload import ReferenceCPUOffloadingManager
+
 from benchmarks.common import CONVERSATION_TRACE, write_result
-from benchmarks.reference_offload import ReferenceCPUOffloadingManager
 from kvtier.offload import CPUOffloadingManager
 from kvtier.sim.traces import read_mooncake
 from kvtier.types import BlockHash, int_block_hash

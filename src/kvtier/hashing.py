@@ -1,7 +1,7 @@
 """Chained block hashes, byte-identical to vLLM's `sha256_cbor` scheme.
 
 `hash_i = H([hash_{i-1} or NONE_HASH, tuple(tokens of block i), extra_keys_i])` with
-`H(x) = sha256(cbor2.dumps(x, canonical=True))` (SEMANTICS.md section 1). `xxh3_128`
+`H(x) = sha256(cbor2.dumps(x, canonical=True))` (docs/semantics.md section 1). `xxh3_128`
 is an opt-in digest over the very same CBOR bytes.
 
 Why a hand-rolled encoder: cbor2 costs about half a microsecond per integer, so a
@@ -155,7 +155,7 @@ class BlockHashSpec:
         return bool(self.cache_salt) or self.lora_name is not None or bool(self.mm_inputs)
 
     def extra_keys(self, block_index: int) -> tuple[Any, ...] | None:
-        """`extra_keys_i` of SEMANTICS.md: LoRA, overlapping mm inputs, then the salt.
+        """`extra_keys_i` of docs/semantics.md: LoRA, overlapping mm inputs, then the salt.
 
         An empty salt counts as no salt, as in vLLM (which tests the salt's truth).
         """

@@ -1,4 +1,4 @@
-"""Scenario tests of the seed behaviour (SEMANTICS.md section 2)."""
+"""Scenario tests of the seed behaviour (docs/semantics.md section 2)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where a scheduler written for vLLM's seed `KVCacheManager` would break on kvtier.
 
-Each test pins a decision of docs/SEMANTICS.md ("The accelerator-side manager").
+Each test pins a decision of docs/semantics.md (section 2, the accelerator pool).
 """
 
 from __future__ import annotations

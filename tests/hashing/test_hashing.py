@@ -1,4 +1,4 @@
-"""Block hashes against the SEMANTICS.md formula, computed here independently with cbor2."""
+"""Block hashes against the docs/semantics.md formula, computed here independently with cbor2."""
 
 from __future__ import annotations
 

@@ -10,11 +10,11 @@ import random
 from typing import Any
 
 import pytest
-from benchmarks.reference_offload import ReferenceCPUOffloadingManager
 
 from kvtier.offload import CPUOffloadingManager, PrepareStoreOutput
 from kvtier.sim.traces import TraceRequest
 from kvtier.types import BlockHash, int_block_hash
+from tests.reference.vllm_offload import ReferenceCPUOffloadingManager
 
 
 def _store_output(out: PrepareStoreOutput | None) -> Any:

@@ -1,4 +1,4 @@
-"""The reuse filter (docs/SEMANTICS.md section 5) and its store-offer counting option."""
+"""The reuse filter (docs/semantics.md section 5) and its store-offer counting option."""
 
 from __future__ import annotations
 

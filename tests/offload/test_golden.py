@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 from benchmarks.bench_offload import replay
-from benchmarks.reference_offload import ReferenceCPUOffloadingManager
 
 from kvtier.offload import CPUOffloadingManager, PrepareStoreOutput
 from kvtier.sim.traces import TraceRequest
 from kvtier.types import BlockHash, int_block_hash
+from tests.reference.vllm_offload import ReferenceCPUOffloadingManager
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import random
 from typing import Any
 
 import pytest
-from benchmarks.reference_offload import ReferenceCPUOffloadingManager
 
 from kvtier.offload import CPUOffloadingManager
 from kvtier.types import BlockHash, int_block_hash
+from tests.reference.vllm_offload import ReferenceCPUOffloadingManager
 
 
 def _state(manager: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Scenario tests, one per decision in docs/SEMANTICS.md sections 3 and 4."""
+"""Scenario tests, one per decision in docs/semantics.md sections 3 and 4."""
 
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.reference_offload import ReferenceCPUOffloadingManager
 from hypothesis import settings
 
 from kvtier.offload import (
@@ -17,6 +16,7 @@ from kvtier.offload import (
     OffloadingManager,
 )
 from tests.offload.suite import offloading_manager_machine
+from tests.reference.vllm_offload import ReferenceCPUOffloadingManager
 
 CAPACITY = 4
 SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -132,7 +132,7 @@ def test_no_policy_beats_the_bounds(
 # Exact figures on the Mooncake trace, no accelerator tier, capacity as a fraction of
 # the 182,790 unique blocks: (prefix hit blocks, any-position hit blocks).
 # LRU matches the published 0.052 / 0.196 / 0.279 / 0.354. ARC here is vLLM's
-# adaptation (SEMANTICS.md section 4), not classic FAST'03 ARC, so it differs from
+# adaptation (docs/semantics.md section 4), not classic FAST'03 ARC, so it differs from
 # the published 0.065 / 0.210 / 0.284 / 0.336.
 GOLDEN = {
     ("lru", 1827): (15_080, 15_134),
@@ -173,15 +173,14 @@ def test_same_decisions_as_the_vllm_reference_port(
     conversation_trace_path: Path, policy: str
 ) -> None:
     """The replay over the issue-3 engineer's port of vLLM's managers gives the same hits
-    (the port lives in benchmarks/; it is the reference their managers are held to)."""
+    (the port lives in tests/reference/; it is the reference their managers are held to)."""
     from typing import cast
-
-    from benchmarks.reference_offload import ReferenceCPUOffloadingManager
 
     from kvtier.offload.abstract import OffloadingManager
     from kvtier.sim.fast_loop import fast_offload_loop
     from kvtier.sim.ledger import Ledger
     from kvtier.sim.metrics import TierCounters
+    from tests.reference.vllm_offload import ReferenceCPUOffloadingManager
 
     workload = _trace(conversation_trace_path)
     reference = cast(OffloadingManager, ReferenceCPUOffloadingManager(512, 9139, policy))

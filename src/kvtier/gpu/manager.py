@@ -11,7 +11,7 @@ The scheduler owns `request.num_computed_tokens`, as in vLLM: the manager reads 
 which plays the scheduler's part of starting the request over. So after a successful
 `allocate_slots(request, n, computed_blocks)` the caller sets it to
 `len(computed_blocks) * block_size + n` (plus what it held before), and after
-`append_slots(request, n)` advances it by `n`. Decisions follow SEMANTICS.md
+`append_slots(request, n)` advances it by `n`. Decisions follow docs/semantics.md
 section 2; a rejected call raises (bad input) or returns None (no room) and leaves
 every block as it was.
 """

@@ -4,7 +4,7 @@ The manager owns what vLLM's managers own (reference counts, the store/load
 two-phase protocol, events) and delegates ordering to a `CachePolicy` and slots
 to a `Backend`; `CPUOffloadingManager`, `LRUOffloadingManager` and
 `ARCOffloadingManager` are constructors over it, so the decisions are made in one
-place. Decisions are vLLM 0.19's (see docs/SEMANTICS.md sections 3 and 4); on top,
+place. Decisions are vLLM 0.19's (see docs/semantics.md sections 3 and 4); on top,
 caller mistakes raise KeyError/ValueError with the state unchanged instead of
 tripping asserts half way, and counters record what happened. Every deliberate
 difference from vLLM (repeated hashes, key checks, errors) is listed in

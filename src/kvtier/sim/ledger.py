@@ -1,5 +1,7 @@
 """The replay's one tally: per-tier counters and contents, fed by what happened.
 
+The contract these figures keep is docs/semantics.md section 6.
+
 Every mode of the replay writes here and nowhere else, so the figures mean the same
 thing whichever tiers, clock or bytes plane ran:
 

@@ -2,13 +2,15 @@
 
 Two hit notions, because they differ when ids are not chained (Bailian) or when a
 policy leaves holes in a prefix:
-- block hit rate (`hit_rate`): blocks present in some tier when their request
-  arrives, at any position — comparable with the infinite and Belady bounds;
+- block hit rate (`hit_rate`): blocks served, plus blocks past the served prefix
+  that a local tier holds when their request arrives — comparable with the
+  infinite and Belady bounds;
 - prefix hit rate (`prefix_hit_rate`): blocks a prefix cache can actually use,
   the consecutive run from the first block that the tiers served (what the
   lookups returned and what was loaded).
 Token-weighted figures and prefill tokens saved count served (prefix) blocks only,
-by their real token counts (a request's last block is usually partial).
+by their real token counts (a request's last block is usually partial). The whole
+contract, faults included, is docs/semantics.md section 6.
 """
 
 from __future__ import annotations

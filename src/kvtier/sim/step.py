@@ -1,5 +1,7 @@
 """The per-request step every replay mode drives: lookup, load, touch, store, tally.
 
+What it counts, and why, is docs/semantics.md section 6.
+
 A request goes through four moments, in this order, whatever the mode:
 
 1. `admit`: the tiers are asked for the prefix (the accelerator first when there
