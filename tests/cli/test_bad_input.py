@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import kvtier
+from tests.remote.conftest import RedisServer, free_port, serve_redis
 
 SRC = str(Path(kvtier.__file__).resolve().parents[1])
 ROW = '{"timestamp":0,"input_length":1024,"output_length":1,"hash_ids":[1,2]}'
@@ -128,6 +129,18 @@ CASES: dict[str, Case] = {
         2,
         "--redis-namespace applies only with a Redis tier (--redis URL)",
     ),
+    # 6. Redis URLs: the part at fault named, the password never printed
+    "redis-db-not-a-number": Case(
+        ("replay", "--redis", "redis://:s3cr3t@127.0.0.1:1/abc"),
+        2,
+        "database in the URL path must be an integer >= 0, got 'abc' in "
+        "'redis://:***@127.0.0.1:1/abc'",
+    ),
+    "redis-bad-query-option": Case(
+        ("replay", "--redis", "redis://:s3cr3t@127.0.0.1:1/0?socket_timeout=abc"),
+        2,
+        "option socket_timeout='abc' in the query of 'redis://:***@127.0.0.1:1/0?",
+    ),
     "negative-mix": Case(
         ("replay", "--mix", "-1,1,1"),
         2,
@@ -177,6 +190,7 @@ def test_refused_with_one_line(results: dict[str, tuple[int, str, str]], name: s
     assert code == case.code, err
     assert case.stderr in err
     assert err.strip().splitlines()[-1].startswith(f"kvtier {case.argv[0]}: error: ")
+    assert "s3cr3t" not in err
     if case.stdout_json:
         assert json.loads(out)["results"]
     else:
@@ -240,3 +254,29 @@ def test_a_disk_tier_left_by_sigkill_is_removed_by_the_next_replay(replay_dir: P
     again = start(argv, replay_dir)
     assert again.wait(timeout=60) == 0, again.communicate()
     again.communicate()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    yield from serve_redis(tmp_path)
+
+
+def test_redis_at_start_up_one_node_or_a_node_list(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A database the server lacks fails at start like a wrong password (6); an unreachable
+    node list degrades with one warning line, like a single node (7: three chained
+    tracebacks before)."""
+    down = f"redis://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    runs = [
+        start(("replay", "--limit", "5", "--redis", url, "--json"), tmp_path)
+        for url in (redis_server.url.replace("/0", "/99"), down)
+    ]
+    (missing_db, missing_out, missing_err), (_, down_out, down_err) = (
+        (run.wait(), *run.communicate(timeout=60)) for run in runs
+    )
+    assert (missing_db, missing_out) == (2, "")
+    assert missing_err.startswith(f"kvtier replay: error: remote tier {redis_server.url[:-2]}/99")
+    assert "has no database 99 (the URL path" in missing_err
+    assert "Traceback" not in down_err and "unreachable at start-up" in down_err
+    assert json.loads(down_out)["results"][0]["tiers"]["remote"]["errors"] > 0

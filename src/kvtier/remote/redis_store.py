@@ -31,7 +31,7 @@ from redis.exceptions import AuthenticationError, OutOfMemoryError, RedisError, 
 
 from kvtier.remote.breaker import BreakerState, CircuitBreaker
 from kvtier.remote.codec import HEADER_SIZE, BlockCodec, DecodeStatus
-from kvtier.remote.config import RedisClient, RemoteConfig, make_client
+from kvtier.remote.config import NotAClusterError, RedisClient, RemoteConfig, make_client
 from kvtier.remote.stats import Counters, RemoteStats
 from kvtier.remote.wire import PREFIX_LUA, ValueBuffers, buffered_sets, send_sets
 
@@ -86,14 +86,7 @@ class RedisBlockStore:
         An unreachable server is not an error at start-up (engines must start
         while Redis restarts): it is counted and the breaker takes over.
         """
-        try:
-            client = make_client(config)
-        except AuthenticationError as exc:
-            raise _auth_error(config, exc) from exc
-        except RedisError as exc:  # cluster clients contact their nodes at construction
-            raise RemoteStartupError(
-                f"cannot reach the cluster {config.redacted_url()}: {exc}"
-            ) from exc
+        client = make_client(config)  # a cluster's is built (and its nodes reached) later
         store = cls(client, BlockCodec.for_fingerprint(fingerprint), config, clock)
         try:
             store.check_startup()
@@ -108,10 +101,10 @@ class RedisBlockStore:
             self.client.ping()
         except AuthenticationError as exc:
             raise _auth_error(self.config, exc) from exc
-        except ResponseError as exc:
+        except ResponseError as exc:  # it answered, and refused: the config is wrong
             if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
                 raise _auth_error(self.config, exc) from exc
-            return self._failed("ping", exc)
+            raise RemoteStartupError(_refusal(self.config, exc)) from exc
         except (RedisError, OSError) as exc:
             if _tls_failure(exc):
                 raise RemoteStartupError(
@@ -340,6 +333,22 @@ def _tls_failure(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _refusal(config: RemoteConfig, exc: BaseException) -> str:
+    """Why a reachable server refused the configuration, naming the URL part at fault."""
+    where = config.redacted_url()
+    if isinstance(exc, NotAClusterError):
+        return (
+            f"remote tier {where}: the node list names a node that is not in cluster mode "
+            f"({exc}); give one node as redis://host:port/db, or the nodes of a cluster"
+        )
+    if "DB index" in str(exc):
+        return (
+            f"remote tier {where}: the server has no database {config.db} (the URL path; "
+            f"{exc}); a server has databases 0 to its `databases` setting - 1 (default 15)"
+        )
+    return f"remote tier {where} refused the connection's setup: {exc}"
 
 
 def _auth_error(config: RemoteConfig, exc: BaseException) -> RemoteStartupError:
