@@ -47,7 +47,7 @@ def test_corrupt_slot_fails_the_load_and_is_counted() -> None:
     try:
         hashes = [int_block_hash(7), int_block_hash(8)]
         dp.compute([0, 1], hashes)
-        assert dp.store(CPULoadStoreSpec([2, 3]), [0, 1], hashes) == [("cpu", True)]
+        assert dp.store(CPULoadStoreSpec([2, 3]), [0, 1], hashes) == [("local", True)]
         assert dp.load(CPULoadStoreSpec([2, 3]), [1, 0], hashes[::-1]) is False  # swapped
         assert dp.load(CPULoadStoreSpec([2, 3]), [0, 1], hashes)
         dp.host.array[3][5] ^= 0xFF  # a flipped byte in the slot holding block 8

@@ -28,7 +28,7 @@ from kvtier.connector.chain import ChainSpec
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.cascade import CascadeLoadSpec, CascadeStoreSpec
 from kvtier.sim.ledger import Ledger
-from kvtier.sim.stack import TierStack
+from kvtier.sim.stack import LOCAL, REMOTE, TierStack
 from kvtier.types import BlockHash
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from kvtier.transfer.cascade import CascadeHandler
     from kvtier.transfer.worker import TransferWorker
 
-# One tier's share of a transfer: (tier name, its block hashes, its spec).
+# One chain member's share of a transfer: (member name, its block hashes, its spec).
 Part = tuple[str, list[BlockHash], LoadStoreSpec]
 
 
@@ -70,26 +70,24 @@ class BytesPlane(Protocol):
 
 
 def parts_of(spec: LoadStoreSpec, hashes: list[BlockHash]) -> list[Part]:
-    """A chain's spec has one part per tier, in prefix order; others are the local tier's."""
+    """A chain's spec has one part per member ("local", "remote"), in prefix order;
+    any other spec is the local member's (the CPU tier or the cascade)."""
     if isinstance(spec, ChainSpec):
         return [(name, part, sub) for name, part, sub in spec.parts]
-    return [("cpu", hashes, spec)]
+    return [(LOCAL, hashes, spec)]
 
 
-def position_tiers(spec: LoadStoreSpec, num_blocks: int, name: str = "cpu") -> list[str]:
-    """The tier each block of a load comes from (the cascade splits CPU and disk)."""
+def position_tiers(spec: LoadStoreSpec, num_blocks: int) -> list[str]:
+    """The tier each block of a load comes from, by its spec's medium (a chain's spec
+    by its parts', the cascade's by its positions)."""
     if isinstance(spec, ChainSpec):
-        return [
-            t
-            for part_name, part, sub in spec.parts
-            for t in position_tiers(sub, len(part), part_name)
-        ]
+        return [t for _, part, sub in spec.parts for t in position_tiers(sub, len(part))]
     if isinstance(spec, CascadeLoadSpec):
         tiers = ["cpu"] * num_blocks
         for p in spec.disk_positions:
             tiers[p] = "disk"
         return tiers
-    return [name] * num_blocks
+    return [spec.medium().lower()] * num_blocks
 
 
 class NoBytes:
@@ -156,12 +154,12 @@ class DataPlane:
         try:  # a failure half way must not leave worker threads behind
             if stack.disk_store is not None:
                 self._cascade = CascadeHandler(self.kv, self.host, stack.disk_store)
-                self._workers["cpu"] = TransferWorker(self._cascade, ordered=True)
+                self._workers[LOCAL] = TransferWorker(self._cascade, ordered=True)
             else:
-                self._workers["cpu"] = TransferWorker.for_store(self.kv, self.host)
+                self._workers[LOCAL] = TransferWorker.for_store(self.kv, self.host)
             if stack.remote is not None:
                 remote = stack.remote.kv_store(layout)
-                self._workers["remote"] = TransferWorker.for_store(self.kv, remote)
+                self._workers[REMOTE] = TransferWorker.for_store(self.kv, remote)
         except BaseException:
             self.close()
             raise
@@ -208,9 +206,9 @@ class DataPlane:
 
     # --- transfers ------------------------------------------------------------------
 
-    def _run(self, tier: str, direction: str, spec: LoadStoreSpec, ids: list[int]) -> bool:
-        """One job on the tier's worker, waited for; a failure is the tier's error."""
-        worker = self._workers[tier]
+    def _run(self, member: str, direction: str, spec: LoadStoreSpec, ids: list[int]) -> bool:
+        """One job on the chain member's worker, waited for; a failure is its tier's error."""
+        worker = self._workers[member]
         job = next(self._job_ids)
         calls_failed = self._remote_call_failures()
         demotions = self._failed_demotions()
@@ -224,7 +222,7 @@ class DataPlane:
         if failed_demotions[0] > demotions[0]:  # its job went on: the disk's store failed
             self.ledger.store_failed("disk", failed_demotions[1] - demotions[1])
         if not result.ok:
-            if tier == "remote":
+            if member == REMOTE:
                 # A failed server call is counted by the remote tier's own statistics.
                 if self._remote_call_failures() == calls_failed:
                     self.ledger.failed("remote")
@@ -232,14 +230,19 @@ class DataPlane:
                 self.ledger.failed(_faulty_local_tier(spec))
         if result.ok:
             moved = "stored" if direction == "store" else "loaded"
-            self._count(moved, tier, spec, len(ids), failed_demotions[0] > demotions[0])
+            self._count(moved, member, spec, len(ids), failed_demotions[0] > demotions[0])
         return result.ok
 
     def _count(
-        self, direction: str, tier: str, spec: LoadStoreSpec, num_blocks: int, demotion_failed: bool
+        self,
+        direction: str,
+        member: str,
+        spec: LoadStoreSpec,
+        num_blocks: int,
+        demotion_failed: bool,
     ) -> None:
         """Bytes per tier of a successful job (the remote tier counts its own)."""
-        if tier == "remote":
+        if member == REMOTE:
             return
         size, moved = self._size, self.ledger.moved
         if isinstance(spec, CascadeStoreSpec | CascadeLoadSpec):
@@ -250,7 +253,7 @@ class DataPlane:
             if isinstance(spec, CascadeLoadSpec):
                 moved("cpu", "stored", len(spec.promotion_positions) * size)
             return
-        moved(tier, direction, num_blocks * size)
+        moved(spec.medium().lower(), direction, num_blocks * size)
 
     def load(self, spec: LoadStoreSpec, device_ids: Sequence[int], hashes: list[BlockHash]) -> bool:
         ids = list(device_ids)

@@ -4,8 +4,11 @@ The stack is what the replay (or the connector in front of it) talks to:
 
 - the CPU tier alone: a bare manager (behind the reuse filter when asked);
 - with a disk tier: the CPU->disk cascade (the filter then admits to disk);
-- with a Redis tier: a `TierChain` of the local tier ("cpu", which may be the
-  cascade) and "remote" (write-through, promotion on load without a data plane).
+- with a Redis tier: a `TierChain` of two members, "local" (the CPU tier or the
+  cascade) and "remote" (write-through; the replay's step promotes on load).
+
+Figures are kept per tier ("cpu", "disk", "remote"), named by the media the
+managers report in their events and specs; the chain's members only route jobs.
 
 Each replay gets its own Redis key namespace so repeated runs never see each
 other's blocks, unless one is given (two engines sharing one cache). With real
@@ -30,6 +33,9 @@ from kvtier.offload.disk import DiskOffloadingManager
 from kvtier.sim.config import ReplayConfig
 from kvtier.sim.metrics import TierCounters
 from kvtier.sim.workload import Workload
+
+# The chain's members (the local tiers, then Redis): the bytes plane routes jobs by them.
+LOCAL, REMOTE = "local", "remote"
 
 if TYPE_CHECKING:
     from kvtier.remote.tier import RemoteTier
@@ -88,7 +94,7 @@ class TierStack:
                 out[name] += top_refused
             return out
         for name, count in self.chain.rejections.items():
-            for tier in self.local_names if name == "cpu" else (name,):
+            for tier in self.local_names if name == LOCAL else (name,):
                 out[tier] += count
         return out
 
@@ -152,7 +158,8 @@ def _build(
         )
         capacities["remote"] = 0
         # The step promotes (`kvtier.sim.step`), so that bytes follow with a bytes plane.
-        stack.chain = TierChain([("cpu", stack.local), ("remote", stack.remote_manager)], False)
+        members = [(LOCAL, stack.local), (REMOTE, stack.remote_manager)]
+        stack.chain = TierChain(members, promote=False)
         stack.manager = stack.chain
     return stack
 

@@ -36,7 +36,7 @@ from kvtier.request import Request
 from kvtier.sim.bytes_plane import BytesPlane, parts_of, position_tiers
 from kvtier.sim.ledger import Ledger
 from kvtier.sim.metrics import served_tokens
-from kvtier.sim.stack import TierStack
+from kvtier.sim.stack import LOCAL, TierStack
 from kvtier.sim.workload import Workload
 from kvtier.types import BlockHash
 
@@ -122,7 +122,7 @@ class _Settling:
             return
         position = dict(zip(loaded, ids, strict=True))
         for name, part, _ in parts_of(spec, loaded):
-            if name == "cpu":
+            if name == LOCAL:
                 continue
             out = chain.plan_promotion(0, part)
             self.drain()
