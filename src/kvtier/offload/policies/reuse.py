@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence, Set
-from itertools import filterfalse
+from itertools import compress, filterfalse, repeat
 
 from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies.base import CachePolicy, Victims
@@ -48,6 +48,7 @@ SETTINGS: tuple[Weights, ...] = (
 )
 HISTORY = 6.0  # capacities of evicted hashes remembered (3 to 6: two generations)
 SAMPLE_MASK = 15  # a hash is in the shadows' sample when its last byte & 15 == 0
+_SAMPLED = tuple(bytes([b]) for b in range(256) if not b & SAMPLE_MASK)  # last bytes
 BATCH = 4  # requests whose samples the shadows take in one go
 LEAD = 3.0  # decayed shadow hits a setting must lead the LRU setting by to be followed
 DECAY = 0.999  # per request: the duel remembers about the last thousand requests
@@ -146,7 +147,7 @@ class ReuseCachePolicy(CachePolicy):
         in_chain = len(keys) > 1 and main.seen(keys[0]) and main.seen(keys[1])
         self._first_seen = NEW_IN_CHAIN if in_chain else NEW
         main.touch(keys)
-        sampled = [key for key in keys if not key[-1] & SAMPLE_MASK]
+        sampled = list(compress(keys, map(bytes.endswith, keys, repeat(_SAMPLED))))
         if sampled:
             self._duel(sampled, last)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence, Set
-from itertools import filterfalse, islice, repeat
+from itertools import compress, filterfalse, islice, repeat
 
 from kvtier.offload._fast import consume, push_head, ref_cnt
 from kvtier.offload.backend import BlockStatus
@@ -33,6 +33,7 @@ _USES = (1, 1, 2, 3, 1)  # uses a class stands for (capped), kept in the history
 _RETURNING = (NEW, TWICE, MORE, MORE)  # the class of a block stored again, by its past uses
 
 Weights = tuple[float, float, float, float, float]
+_NONE = float("inf")  # the score of an empty list
 
 
 class _Scan(RecencyScan):
@@ -146,24 +147,32 @@ class ScoredLists:
         if new or old:
             uses = list(map(new.pop, keys, map(old.pop, keys, repeat(0))))
             if any(uses):
-                for key, used in zip(reversed(keys), reversed(uses), strict=True):
-                    if used:
-                        c = _RETURNING[used]
-                        lists[c].order[key] = order.pop(key)
-                        cls[key] = c
+                returning = zip(reversed(keys), reversed(uses), strict=True)
+                for key, used in compress(returning, reversed(uses)):
+                    c = _RETURNING[used]
+                    lists[c].order[key] = order.pop(key)
+                    cls[key] = c
+                # the request's hits (its parents, in TWICE or MORE like these) were
+                # touched before: make them more recent again, so a parent outlives
+                # its children (first-seen and cold blocks never share their lists)
+                self._refresh_hits()
         if cold_last and keys and cls[keys[-1]] == first_seen:
             cold = keys[-1]
             lists[COLD].order[cold] = order.pop(cold)
             cls[cold] = COLD
         self.clock += len(keys)
-        # the request's hits (its parents) were touched before its blocks came in:
-        # make them more recent again, so within a list a parent outlives its children
-        if self._refresh:
-            for key in self._refresh:
-                c2 = cls.get(key)
-                if c2 is not None:
-                    lists[c2].move_to_end(key)
-            self._refresh = []
+        self._refresh = []
+
+    def _refresh_hits(self) -> None:
+        cls, lists = self.cls, self.lists
+        for key in self._refresh:
+            c = cls.get(key)
+            if c is not None:
+                lst = lists[c]
+                if key in lst.order:
+                    lst.order.move_to_end(key)
+                else:
+                    lst.move_to_end(key)
 
     def remove(self, key: BlockHash) -> BlockStatus | None:
         block = self.blocks.pop(key, None)
@@ -210,37 +219,34 @@ class ScoredLists:
         """
         orders = [lst.order for lst in self.lists]
         time, bonus = self.time, self.bonus
+        scores = [
+            time[next(iter(o))] + b if o else _NONE for o, b in zip(orders, bonus, strict=True)
+        ]
         while len(keys) < n:
-            best = runner_up = -1
-            best_score = second_score = 0.0
-            for c, order in enumerate(orders):
-                if order:
-                    score = time[next(iter(order))] + bonus[c]
-                    if best < 0 or score < best_score:
-                        runner_up, second_score = best, best_score
-                        best, best_score = c, score
-                    elif runner_up < 0 or score < second_score:
-                        runner_up, second_score = c, score
-            if best < 0:
+            ranked = sorted(scores)
+            if ranked[0] == _NONE:
                 return
-            order, bound, b = orders[best], second_score - bonus[best], n - len(keys)
+            best = scores.index(ranked[0])  # the first class of equal scores, as in _scan
+            order, bonus_best, b = orders[best], bonus[best], n - len(keys)
             run = list(islice(order, b))
-            if runner_up >= 0 and time[run[-1]] > bound:  # times only grow along a list
-                del run[bisect_right(run, bound, key=time.__getitem__) :]
+            if ranked[1] != _NONE and time[run[-1]] + bonus_best > ranked[1]:
+                # times only grow along a list: keep the blocks scoring <= the runner-up
+                cut = bisect_right(run, ranked[1] - bonus_best, key=time.__getitem__)
+                del run[max(cut, 1) :]
             blocks = list(map(order.pop, run))
             if any(map(ref_cnt, blocks)) or not protected.isdisjoint(run):
                 ok = 0
                 while blocks[ok].ref_cnt == 0 and run[ok] not in protected:
                     ok += 1
                 push_head(order, run[ok:], blocks[ok:])
-                run, blocks = run[:ok], blocks[:ok]
-                keys += run
-                victims += blocks
+                keys += run[:ok]
+                victims += blocks[:ok]
                 classes += [best] * ok
                 return
             keys += run
             victims += blocks
             classes += [best] * len(run)
+            scores[best] = time[next(iter(order))] + bonus_best if order else _NONE
 
     def _scan(
         self,
