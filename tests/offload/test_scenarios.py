@@ -30,8 +30,15 @@ def events(manager: PolicyOffloadingManager) -> list[tuple[list[BlockHash], bool
     return [(e.block_hashes, e.removed) for e in manager.take_events()]
 
 
-@pytest.fixture(params=["lru", "arc"])
+@pytest.fixture(params=["lru", "arc", "reuse"])
 def policy(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=["lru", "arc"])
+def oldest_first(request: pytest.FixtureRequest) -> str:
+    """Policies that evict a store's blocks in the order stored (`reuse` stores and
+    evicts deepest first, see tests/offload/test_reuse.py)."""
     return str(request.param)
 
 
@@ -48,8 +55,8 @@ def test_lookup_counts_leading_ready_blocks_only(policy: str) -> None:
     assert m.lookup([]) == 0
 
 
-def test_slots_never_used_first_then_most_recently_freed(policy: str) -> None:
-    m = CPUOffloadingManager(16, 4, policy)
+def test_slots_never_used_first_then_most_recently_freed(oldest_first: str) -> None:
+    m = CPUOffloadingManager(16, 4, oldest_first)
     assert store(m, 1, 2) == ([0, 1], [])
     assert store(m, 3) == ([2], [])
     # one fresh slot (3) left: 4 takes it, 5 and 6 reuse the slots of evicted 1 and 2
@@ -82,8 +89,8 @@ def test_lru_evicts_least_recent_and_touch_applies_in_reverse() -> None:
     assert evicted == h(1)  # 1 is older than 3: a prefix's tail goes first
 
 
-def test_eviction_never_takes_pinned_in_flight_or_input_blocks(policy: str) -> None:
-    m = CPUOffloadingManager(16, 4, policy)
+def test_eviction_never_takes_pinned_in_flight_or_input_blocks(oldest_first: str) -> None:
+    m = CPUOffloadingManager(16, 4, oldest_first)
     store(m, 1, 2, 3)
     m.prepare_load(h(1))  # pinned
     assert m.prepare_store(h(4)) is not None  # fills the last slot, in flight
@@ -127,8 +134,8 @@ def test_complete_store_ignores_absent_and_ready_hashes(policy: str) -> None:
     assert events(m) == [(h(1), False), (h(2), False)]
 
 
-def test_events_removal_recorded_before_the_store_that_caused_it(policy: str) -> None:
-    m = CPUOffloadingManager(16, 2, policy, enable_events=True)
+def test_events_removal_recorded_before_the_store_that_caused_it(oldest_first: str) -> None:
+    m = CPUOffloadingManager(16, 2, oldest_first, enable_events=True)
     store(m, 1, 2)
     store(m, 3)
     evs = list(m.take_events())
