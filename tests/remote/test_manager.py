@@ -148,6 +148,12 @@ class RemoteManagerMachine(RuleBasedStateMachine):
     """Any interleaving of the calls, plus Redis evicting blocks, against a set model."""
 
     hashes = st.lists(st.sampled_from(H), min_size=1, max_size=5, unique=True)
+    # the same with up to two hashes listed again, anywhere (vLLM accepts repeats)
+    repeating = hashes.flatmap(
+        lambda hs: st.lists(st.sampled_from(hs), max_size=2).flatmap(
+            lambda more: st.permutations([*hs, *more])
+        )
+    )
     loads = Bundle("loads")
 
     def __init__(self, server: RedisServer) -> None:
@@ -156,7 +162,7 @@ class RemoteManagerMachine(RuleBasedStateMachine):
         self.client = server.client()
         self.client.flushall()
         self.tier = tier_for(server)
-        self.manager = self.tier.manager(synthetic_payload_bytes=16)
+        self.manager = self.tier.manager(enable_events=True, synthetic_payload_bytes=16)
         self.stored: set[BlockHash] = set()
         self.storing: set[BlockHash] = set()
 
@@ -169,7 +175,7 @@ class RemoteManagerMachine(RuleBasedStateMachine):
         expected = next((i for i, h in enumerate(hashes) if h not in self.stored), len(hashes))
         assert self.manager.lookup(hashes) == expected
 
-    @rule(target=loads, hashes=hashes)
+    @rule(target=loads, hashes=repeating)
     def prepare_load(self, hashes: list[BlockHash]) -> list[BlockHash]:
         spec = self.manager.prepare_load(hashes)
         assert isinstance(spec, RemoteLoadStoreSpec) and spec.block_hashes == hashes
@@ -179,20 +185,23 @@ class RemoteManagerMachine(RuleBasedStateMachine):
     def complete_load(self, hashes: list[BlockHash]) -> None:
         self.manager.complete_load(hashes)
 
-    @rule(hashes=hashes)
+    @rule(hashes=repeating)
     def prepare_store(self, hashes: list[BlockHash]) -> None:
         out = self.manager.prepare_store(hashes)
         assert out is not None
-        assert out.block_hashes_to_store == [h for h in hashes if h not in self.storing]
+        expected = [h for h in dict.fromkeys(hashes) if h not in self.storing]
+        assert out.block_hashes_to_store == expected  # each hash once
         self.storing.update(hashes)
 
-    @rule(hashes=hashes, success=st.booleans())
+    @rule(hashes=repeating, success=st.booleans())
     def complete_store(self, hashes: list[BlockHash], success: bool) -> None:
         self.manager.complete_store(hashes, success)
-        done = self.storing.intersection(hashes)
-        self.storing -= done
+        done = [h for h in dict.fromkeys(hashes) if h in self.storing]
+        events = [e.block_hashes for e in self.manager.take_events()]
+        assert events == ([done] if success and done else [])  # each stored hash once
+        self.storing -= set(done)
         if success:
-            self.stored |= done
+            self.stored |= set(done)
 
     @rule(block=st.sampled_from(H))
     def redis_evicts(self, block: BlockHash) -> None:
