@@ -65,7 +65,7 @@ from kvtier.types import BlockHash, int_block_hash
 
 READY, IN_FLIGHT = "ready", "in flight"
 BAD_KEYS = ("abc", 7, None, 1.5, ["a"])
-CALLS_TAKING_KEYS = ("prepare_store", "complete_store", "prepare_load", "complete_load")
+CALLS_TAKING_KEYS = ("prepare_store", "complete_store", "prepare_load", "complete_load", "touch")
 
 
 def _slot_ids(spec: Any) -> list[int] | None:

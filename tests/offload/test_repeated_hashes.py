@@ -130,7 +130,7 @@ BAD_KEYS: list[Any] = ["abc", 7, None, ["a"]]
 
 
 @pytest.mark.parametrize("bad", BAD_KEYS, ids=repr)
-@pytest.mark.parametrize("call", ["prepare_store", "complete_store", "prepare_load"])
+@pytest.mark.parametrize("call", ["prepare_store", "complete_store", "prepare_load", "touch"])
 def test_a_key_that_is_not_bytes_is_refused_before_anything_changes(
     manager: OffloadingManager, call: str, bad: Any
 ) -> None:

@@ -135,7 +135,9 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
         return self.backend.get_load_store_spec(hashes, blocks)
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
-        self._touch(block_hashes if type(block_hashes) is list else list(block_hashes))
+        # checked first: the policy applies a touch key by key, so an unhashable key
+        # found late would leave the earlier ones refreshed
+        self._touch(block_hash_list("touch", block_hashes))
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         """Unpin; a hash listed k times releases k loads (an error if fewer are in flight)."""
