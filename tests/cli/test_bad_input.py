@@ -32,6 +32,7 @@ TRACES = {
     '"hash_ids":[1,2,3,4,5,6,7,8,9,10]}',
     "empty.jsonl": "",
     "ok.jsonl": ROW,
+    "tokens.jsonl": '{"token_ids":[1,2,"a"],"output_length":1}',
 }
 
 
@@ -65,6 +66,12 @@ CASES: dict[str, Case] = {
         ("replay", "--trace", "short.jsonl"),
         2,
         "short.jsonl:1: 10 hash_ids but input_length 1 fills at most 1 blocks of 512 tokens",
+    ),
+    # 3. token ids that are not ints in [0, 2**32)
+    "bad-token-id": Case(
+        ("replay", "--trace", "tokens.jsonl", "--format", "tokens"),
+        2,
+        "tokens.jsonl:1: field 'token_ids' must hold integers in [0, 4294967295], got 'a'",
     ),
     # 9. invalid UTF-8 names the file; unwritable outputs are refused before the run,
     # and a report that fails at the end keeps the --json document
@@ -205,55 +212,88 @@ def test_a_limited_generated_workload_is_generated_only_that_far(tmp_path: Path)
     assert json.loads(out)["requests"] == 10
 
 
-def _stopped_with_its_disk_open(tmp_path: Path) -> subprocess.Popen[str]:
+DISK_REPLAY = ("replay", "--requests", "5000", "--cpu-blocks", "500", "--disk-blocks", "5000")
+LOCKS = "kvtier-replay-disk-*/kvtier-*/lock"  # the temporary disk tier's, once open
+
+
+@dataclass
+class Stopped:
     """A replay with a disk tier, stopped (SIGSTOP) while its disk directory is open:
-    whatever signal comes next finds it mid-replay, however fast the machine."""
-    argv = ("replay", "--requests", "5000", "--cpu-blocks", "500", "--disk-blocks", "5000")
-    child = start((*argv, "--data"), tmp_path)
-    deadline = time.monotonic() + 60
-    while True:
-        if list(tmp_path.glob("kvtier-replay-disk-*/kvtier-*/lock")):
-            child.send_signal(signal.SIGSTOP)
-            if list(tmp_path.glob("kvtier-replay-disk-*/kvtier-*/lock")):
-                return child  # still open once stopped
-            child.send_signal(signal.SIGCONT)
-        assert child.poll() is None, child.communicate()
-        assert time.monotonic() < deadline, "the replay never opened its disk tier"
-        time.sleep(0.02)  # polling for a file, not timing anything
+    whatever comes next finds it mid-replay, however fast the machine."""
+
+    cwd: Path
+    child: subprocess.Popen[str]
 
 
-@pytest.fixture
-def replay_dir(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path
-    assert not list(tmp_path.glob("kvtier-replay-disk-*")), "temporary disk tier left behind"
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stopped]]:
+    """Four disk replays, started at once (their torch imports overlap): SIGINT, SIGTERM
+    and SIGKILL each get one, and one owns a --disk-dir that a second replay wants."""
+    more = {"sigint": (), "sigterm": (), "sigkill": (), "owner": ("--disk-dir", "dd")}
+    replays = {}
+    for name, extra in more.items():
+        cwd = tmp_path_factory.mktemp(name)
+        replays[name] = Stopped(cwd, start((*DISK_REPLAY, "--data", *extra), cwd))
+    deadline = time.monotonic() + 120
+    for name, replay in replays.items():
+        lock = "dd/kvtier-*/lock" if name == "owner" else LOCKS
+        while not _stop_if_open(replay, lock):
+            assert replay.child.poll() is None, replay.child.communicate()
+            assert time.monotonic() < deadline, f"{name}: the replay never opened its disk"
+            time.sleep(0.02)  # polling for a file, not timing anything
+    yield replays
+    for replay in replays.values():
+        replay.child.kill()
+        replay.child.communicate(timeout=60)
+
+
+def _stop_if_open(replay: Stopped, lock: str) -> bool:
+    if not list(replay.cwd.glob(lock)):
+        return False
+    replay.child.send_signal(signal.SIGSTOP)
+    if list(replay.cwd.glob(lock)):
+        return True  # still open once stopped
+    replay.child.send_signal(signal.SIGCONT)
+    return False
 
 
 @pytest.mark.parametrize(
-    ("sig", "code", "line"),
+    ("name", "sig", "code", "line"),
     [
-        (signal.SIGINT, 130, "kvtier replay: interrupted"),
-        (signal.SIGTERM, 143, "kvtier replay: terminated (SIGTERM)"),
+        ("sigint", signal.SIGINT, 130, "kvtier replay: interrupted"),
+        ("sigterm", signal.SIGTERM, 143, "kvtier replay: terminated (SIGTERM)"),
     ],
 )
 def test_ctrl_c_and_sigterm_exit_with_one_line_and_remove_the_disk_tier(
-    replay_dir: Path, sig: signal.Signals, code: int, line: str
+    stopped: dict[str, Stopped], name: str, sig: signal.Signals, code: int, line: str
 ) -> None:
-    child = _stopped_with_its_disk_open(replay_dir)
-    child.send_signal(sig)
-    child.send_signal(signal.SIGCONT)
-    _, err = child.communicate(timeout=60)
-    assert (child.returncode, err.strip()) == (code, line)
+    replay = stopped[name]
+    replay.child.send_signal(sig)
+    replay.child.send_signal(signal.SIGCONT)
+    _, err = replay.child.communicate(timeout=60)
+    assert (replay.child.returncode, err.strip()) == (code, line)
+    assert not list(replay.cwd.glob("kvtier-replay-disk-*")), "temporary disk tier left behind"
 
 
-def test_a_disk_tier_left_by_sigkill_is_removed_by_the_next_replay(replay_dir: Path) -> None:
-    child = _stopped_with_its_disk_open(replay_dir)
-    child.kill()
-    child.communicate(timeout=60)
-    assert list(replay_dir.glob("kvtier-replay-disk-*"))  # nothing ran to remove it
+def test_a_killed_replays_disk_is_reclaimed_and_a_live_ones_refused(
+    stopped: dict[str, Stopped],
+) -> None:
+    """SIGKILL leaves the temporary disk tier: the next disk replay removes it (12). A
+    second replay on a live one's --disk-dir is refused, naming the owner (5)."""
+    killed, owner = stopped["sigkill"], stopped["owner"]
+    killed.child.kill()
+    killed.child.communicate(timeout=60)
+    assert list(killed.cwd.glob("kvtier-replay-disk-*"))  # nothing ran to remove it
     argv = ("replay", "--limit", "5", "--cpu-blocks", "20", "--disk-blocks", "40", "--data")
-    again = start(argv, replay_dir)
+    again = start(argv, killed.cwd)
+    second = start((*DISK_REPLAY, "--data", "--disk-dir", "dd"), owner.cwd)
+    out, err = second.communicate(timeout=60)
+    assert (second.returncode, out) == (2, ""), err
+    assert err.startswith("kvtier replay: error: disk tier directory dd/kvtier-")
+    assert f"is in use by process {owner.child.pid} (lock dd/kvtier-" in err
     assert again.wait(timeout=60) == 0, again.communicate()
     again.communicate()
+    assert not list(killed.cwd.glob("kvtier-replay-disk-*"))
 
 
 @pytest.fixture
@@ -280,3 +320,17 @@ def test_redis_at_start_up_one_node_or_a_node_list(
     assert "has no database 99 (the URL path" in missing_err
     assert "Traceback" not in down_err and "unreachable at start-up" in down_err
     assert json.loads(down_out)["results"][0]["tiers"]["remote"]["errors"] > 0
+
+
+def test_a_damaged_layout_marker_in_a_disk_dir_is_named(tmp_path: Path) -> None:
+    """Item 11 from the command line: no raw JSONDecodeError, the file named."""
+    from kvtier.sim.bytes_plane import small_layout
+
+    directory = tmp_path / "dd" / f"kvtier-{small_layout(16, 'kvtier-replay').fingerprint}"
+    directory.mkdir(parents=True)
+    (directory / "layout.json").write_text("[1, 2]")
+    argv = ("replay", "--limit", "5", "--cpu-blocks", "20", "--disk-blocks", "40", "--data")
+    child = start((*argv, "--disk-dir", "dd"), tmp_path)
+    out, err = child.communicate(timeout=60)
+    assert (child.returncode, out) == (2, ""), err
+    assert f"error: dd/{directory.name}/layout.json: layout marker must be a JSON object" in err
