@@ -61,8 +61,9 @@ MAX_TOKEN_ID = (1 << 32) - 1
 
 
 def check_token_ids(token_ids: Sequence[int] | Any, where: str = "token ids") -> list[int]:
-    """The tokens as a new list of ints, refused (naming the first bad one and its
-    position) unless every one is an int in [0, MAX_TOKEN_ID]."""
+    """The tokens as a new list, refused (naming the first bad one and its position)
+    unless every one is an integer in [0, MAX_TOKEN_ID] (numpy integers are kept as
+    given: hashing takes them)."""
     if isinstance(token_ids, np.ndarray):
         if token_ids.dtype.kind not in "iu" or token_ids.ndim != 1:
             raise ValueError(
@@ -74,10 +75,10 @@ def check_token_ids(token_ids: Sequence[int] | Any, where: str = "token ids") ->
         raise ValueError(f"{where} must be a sequence of integers, got {token_ids!r:.40}")
     else:
         tokens = list(token_ids)
-    try:  # the common case checked in C: ints that fit, then one min/max
-        values = array.array("q", tokens)
-        if not values or (min(values) >= 0 and max(values) <= MAX_TOKEN_ID):
-            return values.tolist()
+    try:  # the common case checked in C: ints that fit in 64 bits, then numpy's min/max
+        values = np.frombuffer(array.array("q", tokens), dtype=np.int64)
+        if not values.size or (values.min() >= 0 and values.max() <= MAX_TOKEN_ID):
+            return tokens
     except (OverflowError, TypeError):
         pass
     for position, token in enumerate(tokens):
