@@ -32,7 +32,7 @@ from redis.exceptions import AuthenticationError, OutOfMemoryError, RedisError, 
 from kvtier.remote.breaker import BreakerState, CircuitBreaker
 from kvtier.remote.codec import HEADER_SIZE, BlockCodec, DecodeStatus
 from kvtier.remote.config import NotAClusterError, RedisClient, RemoteConfig, make_client
-from kvtier.remote.stats import Counters, RemoteStats
+from kvtier.remote.stats import RemoteCounters, RemoteStats
 from kvtier.remote.wire import PREFIX_LUA, ValueBuffers, buffered_sets, send_sets
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class RedisBlockStore:
         self.codec = codec
         self.config = config
         self.breaker = CircuitBreaker(config.breaker, clock)
-        self._counters = Counters()
+        self._counters = RemoteCounters()
         self._base = f"{config.key_prefix}:{codec.fp_digest[:8].hex()}:".encode()
         self._namespaces: dict[str | None, bytes] = {}
         self._buffers = ValueBuffers()

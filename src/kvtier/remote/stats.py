@@ -27,7 +27,7 @@ class RemoteStats:
     breaker_opened: int = 0
 
 
-class Counters:
+class RemoteCounters:
     """Mutable counters behind a lock (the scheduler and workers share a store)."""
 
     def __init__(self) -> None:
