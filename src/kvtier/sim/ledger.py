@@ -17,6 +17,7 @@ thing whichever tiers, clock or bytes plane ran:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 from kvtier.offload.abstract import OffloadingEvent
@@ -93,15 +94,23 @@ class Ledger:
 
     def present(self, block_hash: BlockHash) -> bool:
         """In some tier, as far as the replay knows (a shared tier may have lost it)."""
-        return any(block_hash in r for r in self.resident.values())
+        for resident in self.resident.values():  # noqa: SIM110 (a loop: the hot path)
+            if block_hash in resident:
+                return True
+        return False
 
     def served(self, request: int, tiers: Sequence[str], start: int = 0) -> None:
-        """Blocks `start, start+1, ...` of `request` reached the engine from `tiers`."""
-        block_tokens = self.workload.block_tokens
-        for position, name in enumerate(tiers, start):
+        """Blocks `start, start+1, ...` of `request` reached the engine from `tiers`,
+        each weighed by its real tokens (a request's last block is usually partial)."""
+        bs = self.workload.block_size
+        length = self.workload.requests[request].input_length
+        position = start
+        for name, run in itertools.groupby(tiers):
+            n = len(list(run))
             tier = self.tiers[name]
-            tier.hit_blocks += 1
-            tier.hit_tokens += block_tokens(request, position)
+            tier.hit_blocks += n
+            tier.hit_tokens += max(0, min((position + n) * bs, length) - position * bs)
+            position += n
 
     @property
     def prefix_hits(self) -> int:

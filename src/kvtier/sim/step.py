@@ -97,13 +97,20 @@ class _Settling:
         """Where each block is now: HELD in memory (accelerator, CPU), ON_DISK only, or
         NOWHERE the replay can vouch for (the shared tier counts only when it serves)."""
         resident = self.ledger.resident
-        memory = [r for name, r in resident.items() if name not in ("disk", "remote")]
+        memory = [r for name, r in resident.items() if r and name not in ("disk", "remote")]
         disk = resident.get("disk", set())
-        gpu = in_gpu or [False] * len(hashes)
-        return [
-            HELD if cached or any(h in r for r in memory) else ON_DISK if h in disk else NOWHERE
-            for h, cached in zip(hashes, gpu, strict=True)
-        ]
+        where = []
+        for h, cached in zip(hashes, in_gpu or [False] * len(hashes), strict=True):
+            if cached:
+                where.append(HELD)
+                continue
+            for r in memory:  # loops, not any(): this runs for every block of every request
+                if h in r:
+                    where.append(HELD)
+                    break
+            else:
+                where.append(ON_DISK if h in disk else NOWHERE)
+        return where
 
     def held_beyond(self, hashes: list[BlockHash], where: list[int]) -> int:
         """Blocks past the prefix that a local tier holds and could serve: those only on
