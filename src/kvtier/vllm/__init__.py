@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "KvtierDiskTier": "secondary_tiers",
     "KvtierOffloadingSpec": "spec",
     "KvtierRedisTier": "secondary_tiers",
+    "KvtierTieringOffloadingSpec": "secondary_tiers_spec",
     "transfer_config": "config",
 }
 # name prefix -> the submodule that makes those names on demand (one vLLM cache policy
