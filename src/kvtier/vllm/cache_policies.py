@@ -50,18 +50,35 @@ class KvtierCachePolicy(CachePolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.policy: KvtierPolicy = get_policy_class(self.kvtier_policy)(cache_capacity)
+        self._inserting: tuple[list[BlockHash], list[BlockStatus]] = ([], [])
+
+    def _flushed(self) -> KvtierPolicy:
+        """kvtier's policy, once the blocks vLLM inserted one by one reached it.
+
+        vLLM inserts a store's blocks in one loop of `insert` calls; kvtier's manager
+        hands them over in one `insert_many`, which a policy may treat as one request's
+        blocks (`reuse` does). So inserts wait here until the next call of any kind.
+        """
+        keys, blocks = self._inserting
+        if keys:
+            self._inserting = ([], [])
+            self.policy.insert_many(keys, blocks)
+        return self.policy
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
+        if self._inserting[0]:
+            self._flushed()
         return cast(ChunkStatus | None, self.policy.get(BlockHash(key)))
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
-        self.policy.insert(BlockHash(key), cast(BlockStatus, chunk))
+        self._inserting[0].append(BlockHash(key))
+        self._inserting[1].append(cast(BlockStatus, chunk))
 
     def remove(self, key: OffloadKey) -> None:
-        self.policy.remove(BlockHash(key))
+        self._flushed().remove(BlockHash(key))
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        self.policy.touch(cast(list[BlockHash], list(keys)))
+        self._flushed().touch(cast(list[BlockHash], list(keys)))
 
     def on_request_finished(
         self,
@@ -73,17 +90,21 @@ class KvtierCachePolicy(CachePolicy):
         if not reused_keys:
             return
         ordered = order_request_keys(key_groups, req_context)
-        self.policy.touch(cast(list[BlockHash], [k for k in ordered if k in reused_keys]))
+        self._flushed().touch(cast(list[BlockHash], [k for k in ordered if k in reused_keys]))
 
     def evict(self, n: int, protected: set[OffloadKey]) -> Victims | None:
-        victims = self.policy.evict(n, cast(set[BlockHash], protected))
+        victims = self._flushed().evict(n, cast(set[BlockHash], protected))
         return cast(Victims | None, victims)
 
     def clear(self) -> None:
+        self._inserting = ([], [])
         self.policy = get_policy_class(self.kvtier_policy)(self.cache_capacity)
 
     def mark_evictable(self, key: OffloadKey) -> None:
-        self.policy.mark_evictable((BlockHash(key),))
+        self._flushed().mark_evictable((BlockHash(key),))
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self._flushed()
 
 
 _classes: dict[str, type[KvtierCachePolicy]] = {}
