@@ -123,6 +123,18 @@ def test_a_rejected_eviction_changes_nothing() -> None:
     assert m.prepare_store(h(4, 5)) is not None
 
 
+def test_a_rejected_eviction_past_pinned_heads_changes_nothing() -> None:
+    m = CPUOffloadingManager(16, 4, "reuse")
+    request(m, 1, 2, 3, 4)
+    m.prepare_load(h(2, 3, 4))  # the least recent three pinned: the scan finds 1 only
+    before = classes(m)
+    assert m.prepare_store(h(5, 6)) is None
+    assert classes(m) == before
+    m.complete_load(h(2, 3, 4))
+    out = m.prepare_store(h(5, 6))
+    assert out is not None and out.block_hashes_evicted == h(4, 3)
+
+
 def test_pinned_blocks_are_parked_and_come_back_when_released() -> None:
     m = CPUOffloadingManager(16, 4, "reuse")
     request(m, 1, 2, 3, 4)

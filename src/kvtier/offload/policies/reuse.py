@@ -6,9 +6,11 @@ Each block is scored by the clock at its last use plus a bonus for its class
 (`scored.py`): cold, first seen, seen twice, seen more, or first seen in a
 request that extends a chain already known. No single set of bonuses wins at
 every capacity and on every workload, so four settings (below) run side by side
-on small shadow caches that see a 1/16 sample of the hashes, and the cache uses
-whichever had the most (decayed) hits lately: set dueling. The first setting is
-LRU with leaf-first eviction, so when nothing else pays the policy is LRU.
+on small shadow caches that see a 1/16 sample of the hashes (fed every BATCH
+requests, one call per shadow), and the cache follows whichever had the most
+decayed hits lately: set dueling. The first setting is LRU with leaf-first
+eviction, and another is followed only once it leads that one by LEAD hits, so
+when nothing else clearly pays the policy is LRU.
 
 Signals taken from the calls an engine already makes, no future knowledge:
 - `touch(keys)` lists a request's blocks in order: its first two keys tell
@@ -24,6 +26,9 @@ Signals taken from the calls an engine already makes, no future knowledge:
 Admission is ordering only: a block the policy does not want is stored in a
 class evicted first (the manager owns slots; vLLM's `CachePolicy` cannot refuse
 a block), so it takes a slot until the next eviction, and can still be hit then.
+Inside vLLM (`kvtier.vllm`'s adapter) `touch` sees a request's missed keys and,
+when it finishes, its reused ones, not its whole chain: the last-block signal
+holds, the known-chain one mostly does not (first-seen blocks are then NEW).
 """
 
 from __future__ import annotations
@@ -112,6 +117,8 @@ class ReuseCachePolicy(CachePolicy):
         self._queued_classes: dict[BlockHash, int] = {}
         self._queued_requests = 0
         self._index = self._main.blocks
+        self._pending_keys: list[BlockHash] = []  # inserted one by one, not yet ordered
+        self._pending_blocks: list[BlockStatus] = []
 
     def __len__(self) -> int:
         return len(self._index)
@@ -129,16 +136,32 @@ class ReuseCachePolicy(CachePolicy):
         return list(filterfalse(self._index.__contains__, keys))
 
     def insert(self, key: BlockHash, block: BlockStatus) -> None:
-        self.insert_many([key], [block])
+        """Held until the next other call, then stored with the blocks inserted beside it:
+        vLLM's manager inserts a store's blocks one by one, kvtier's all at once, and
+        both must store them deepest first."""
+        self._pending_keys.append(key)
+        self._pending_blocks.append(block)
+        self._index[key] = block
+
+    def _flush(self) -> None:
+        keys, blocks = self._pending_keys, self._pending_blocks
+        self._pending_keys, self._pending_blocks = [], []
+        self.insert_many(keys, blocks)
 
     def insert_many(self, keys: Sequence[BlockHash], blocks: Sequence[BlockStatus]) -> None:
+        if self._pending_keys:
+            self._flush()
         cold_last = self._cold_last and bool(keys) and keys[-1] == self._last
         self._main.insert(keys, blocks, self._first_seen, cold_last)
 
     def remove(self, key: BlockHash) -> None:
+        if self._pending_keys:
+            self._flush()
         self._main.remove(key)
 
     def touch(self, keys: Sequence[BlockHash]) -> None:
+        if self._pending_keys:
+            self._flush()
         if not keys:
             return
         main = self._main
@@ -196,11 +219,17 @@ class ReuseCachePolicy(CachePolicy):
     def evict_split(
         self, n: int, protected: Set[BlockHash]
     ) -> tuple[list[BlockHash], list[BlockStatus]] | None:
+        if self._pending_keys:
+            self._flush()
         return self._main.evict(n, protected)
 
     def mark_evictable(self, keys: Sequence[BlockHash]) -> None:
+        if self._pending_keys:
+            self._flush()
         self._main.mark_evictable(keys)
 
     def keys(self) -> list[list[BlockHash]]:
         """Each class's keys, least recent first (COLD, NEW, TWICE, MORE, NEW_IN_CHAIN)."""
+        if self._pending_keys:
+            self._flush()
         return self._main.keys()

@@ -259,6 +259,7 @@ class ScoredLists:
         """The general case: merge the lists' scans (which park what they pass over)."""
         scans = [_Scan(lst, protected) if len(lst) else None for lst in self.lists]
         heads = [None if s is None else s.next() for s in scans]
+        start = len(keys)
         time, bonus = self.time, self.bonus
         while len(keys) < n:
             best = -1
@@ -272,6 +273,7 @@ class ScoredLists:
                 for scan in scans:
                     if scan is not None:
                         scan.abort()
+                del keys[start:], victims[start:], classes[start:]  # only those popped before
                 return False
             key, block = heads[best]  # type: ignore[misc]
             keys.append(key)
