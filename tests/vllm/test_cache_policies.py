@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import Phase, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
@@ -219,28 +219,9 @@ class SameDecisions(RuleBasedStateMachine):
         self.pair.check_lookups(UNIVERSE)
 
 
-# `reuse` (new in the registry) decides as kvtier's manager on the trace, but not yet on
-# every interleaving of in-flight stores and loads: a known, open divergence. Strict, so
-# the test says so the day it agrees; no shrinking, which takes minutes here.
-DIVERGENT = {"reuse"}
-
-
-@pytest.mark.parametrize(
-    "policy",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="open divergence"))
-        if p in DIVERGENT
-        else p
-        for p in POLICIES
-    ],
-)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_same_decisions_on_random_calls(policy: str) -> None:
     machine = type(f"SameDecisions_{policy}", (SameDecisions,), {"policy": policy})
     test_case = machine.TestCase
-    phases = [Phase.explicit, Phase.reuse, Phase.generate]
-    if policy not in DIVERGENT:
-        phases.append(Phase.shrink)
-    test_case.settings = settings(
-        max_examples=60, stateful_step_count=30, deadline=None, phases=phases
-    )
+    test_case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
     test_case().runTest()
