@@ -33,11 +33,6 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
 def run_replay(args: argparse.Namespace) -> dict[str, Any]:
     policies = parse_policies(args.policy)
     config = config_from_args(args)
-    if config.disk_dir is not None and len(policies) > 1:
-        raise ValueError(
-            f"--disk-dir with {len(policies)} policies: each replay would reopen the files "
-            "the one before it left, so they would not compare; give one --policy"
-        )
     workload = open_workload_from_args(args)
     console = Console(stderr=args.json)
     with progress_bars(console, enabled=not args.json) as bars:
