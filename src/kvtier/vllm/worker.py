@@ -18,7 +18,9 @@ channel) results carry the real success flag.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -158,6 +160,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._lock = threading.Lock()
         self._report = WorkerReport()
         self._load_errors: set[int] = set()
+        self._transfer_log = os.environ.get("KVTIER_TRANSFER_LOG") or None
 
     # --- submission ----------------------------------------------------------
 
@@ -210,7 +213,24 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def _poll(self) -> None:
         for tier, worker in list(self.workers.items()):
             for result in worker.get_finished():
+                self._log_transfer(tier, result.job_id, result.ok, result.bytes, result.seconds)
                 self._settle(tier, result.job_id, result.ok, result.bytes)
+
+    def _log_transfer(self, tier: str, sub: int, ok: bool, nbytes: int, seconds: float) -> None:
+        """One JSON line per tier job to `$KVTIER_TRANSFER_LOG`, when set: each copy's own
+        bytes and seconds (vLLM's metrics see whole jobs, queueing included, and round
+        their time counters to whole seconds)."""
+        if self._transfer_log is None:
+            return
+        with self._lock:
+            job_id = self._owner.get((tier, sub))
+            job = self._jobs.get(job_id) if job_id is not None else None
+        if job is None:
+            return  # a discard job
+        direction = "load" if job.is_load and job.waiting.get(sub) is not job.promotion else "store"
+        line = {"tier": tier, "direction": direction, "ok": ok, "bytes": nbytes, "s": seconds}
+        with open(self._transfer_log, "a") as log_file:
+            log_file.write(json.dumps(line) + "\n")
 
     def _settle(self, tier: str, sub: int, ok: bool, nbytes: int) -> None:
         promote: tuple[int, Part, npt.NDArray[np.int64]] | None = None
