@@ -12,7 +12,6 @@ must stop offering the lost blocks. No sleeps: every step waits for its jobs.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 
 from tests.remote.conftest import RedisServer, serve_redis
 from tests.vllm.needs_vllm import quiet, require_vllm
+from tests.vllm.offloading_config import offloading_config
 
 require_vllm()
 
@@ -37,13 +37,6 @@ with quiet():
         ReqContext,
         make_offload_key,
     )
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
 
     from kvtier.vllm.connector import KvtierWorkerMetadata
     from kvtier.vllm.spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
@@ -51,31 +44,16 @@ with quiet():
 LAYERS, TOKENS, PAGE = 2, 32, 2048  # page: one layer's K and V of one block
 DEVICE_BLOCKS = 16
 BLOCK_BYTES = LAYERS * PAGE
-_engines = itertools.count()
 
 
-def offloading_config(extra: dict[str, Any], events: bool = False) -> OffloadingConfig:
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(TOKENS, tuple(f"l{i}" for i in range(LAYERS)), 0),),
-        worker_kv_bytes_per_block=BLOCK_BYTES,
-        enable_kv_cache_events=events,
-        extra_config={"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm"}
-        | extra,
-        engine_id=f"kvtier-test-{os.getpid()}-{next(_engines)}",
-        model=OffloadingModelConfig(name="tiny-test-model", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=TOKENS, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
+def spec_config(extra: dict[str, Any], events: bool = False) -> Any:
+    extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm"} | extra
+    return offloading_config(
+        extra,
+        kv_bytes_per_block=BLOCK_BYTES,
+        num_layers=LAYERS,
+        tokens_per_block=TOKENS,
+        events=events,
     )
 
 
@@ -85,8 +63,8 @@ class Engine:
     def __init__(self, extra: dict[str, Any], events: bool = False) -> None:
         token = UNDER_KVTIER_CONNECTOR.set(True)
         try:
-            self.worker_spec = KvtierOffloadingSpec(offloading_config(extra, events))
-            self.scheduler_spec = KvtierOffloadingSpec(offloading_config(extra, events))
+            self.worker_spec = KvtierOffloadingSpec(spec_config(extra, events))
+            self.scheduler_spec = KvtierOffloadingSpec(spec_config(extra, events))
         finally:
             UNDER_KVTIER_CONNECTOR.reset(token)
         self.pages = [torch.zeros(DEVICE_BLOCKS, PAGE, dtype=torch.int8) for _ in range(LAYERS)]
@@ -286,14 +264,14 @@ def test_redis_shared_between_engines_and_killed(engines: list[Engine], tmp_path
 )
 def test_bad_config_fails_at_start(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        KvtierOffloadingSpec(offloading_config(extra))
+        KvtierOffloadingSpec(spec_config(extra))
 
 
 def test_failure_prone_tiers_need_kvtier_connector(tmp_path: Path) -> None:
     extra = {"cpu_bytes_to_use": 1 << 20, "disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 24}
     with pytest.raises(ValueError, match='"kv_connector": "KvtierConnector"'):
-        KvtierOffloadingSpec(offloading_config(extra))
-    KvtierOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}))  # CPU only: fine
+        KvtierOffloadingSpec(spec_config(extra))
+    KvtierOffloadingSpec(spec_config({"cpu_bytes_to_use": 1 << 20}))  # CPU only: fine
 
 
 def test_a_key_listed_twice_is_stored_once_and_settled_once(engines: list[Engine]) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 
 from tests.remote.conftest import RedisServer, serve_redis
 from tests.vllm.needs_vllm import quiet, require_vllm
+from tests.vllm.offloading_config import offloading_config
 
 require_vllm()
 
@@ -35,13 +35,6 @@ with quiet():
         ScheduleEndContext,
         make_offload_key,
     )
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
     from vllm.v1.kv_offload.tiering.base import JobResult
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -50,32 +43,11 @@ with quiet():
 
 ROW = 4096  # bytes of one chunk in the primary tier (one page)
 PRIMARY_CHUNKS = 8
-_engines = itertools.count()
 
 
 def make_spec(tiers: list[dict[str, Any]], model: str = "tiny-llama") -> TieringOffloadingSpec:
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=ROW,
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": PRIMARY_CHUNKS * ROW, "secondary_tiers": tiers},
-        engine_id=f"kvtier-test-{os.getpid()}-{next(_engines)}",
-        model=OffloadingModelConfig(name=model, dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
-    return TieringOffloadingSpec(config)
+    extra = {"cpu_bytes_to_use": PRIMARY_CHUNKS * ROW, "secondary_tiers": tiers}
+    return TieringOffloadingSpec(offloading_config(extra, kv_bytes_per_block=ROW, model=model))
 
 
 def key(i: int) -> bytes:
