@@ -31,7 +31,7 @@ import numpy as np
 import redis
 
 from benchmarks.common import write_result
-from kvtier.remote.manager import RemoteLoadStoreSpec
+from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.remote.tier import RemoteTier
 from kvtier.store.layout import KVLayout
 from kvtier.types import int_block_hash

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from benchmarks.common import CONVERSATION_TRACE, write_result
 from kvtier.offload import CPUOffloadingManager
-from kvtier.sim.config import ReplayConfig
+from kvtier.sim.replay_config import ReplayConfig
 from kvtier.sim.run import replay
 from kvtier.sim.workload import Workload, load_workload
 

@@ -55,13 +55,13 @@ import numpy as np
 import torch
 
 from benchmarks.common import write_result
-from kvtier.offload.disk import DiskLoadStoreSpec
+from kvtier.offload.disk_manager import DiskLoadStoreSpec
 from kvtier.offload.mediums import CPULoadStoreSpec
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
 from kvtier.transfer.device import DeviceKV, allocate_kv_caches
-from kvtier.transfer.worker import TransferWorker
+from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import int_block_hash
 
 JOB_BYTES = 16 << 20  # a job: one request's blocks, e.g. 64 blocks of 256 KiB, 8 of 2 MiB

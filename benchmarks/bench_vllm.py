@@ -308,7 +308,7 @@ def vllm_manager(capacity: int) -> Any:
 def kvtier_manager(capacity: int) -> Any:
     """kvtier's CPU manager (LRU) behind the adapter vLLM's scheduler talks to."""
     from kvtier.offload import CPUOffloadingManager
-    from kvtier.vllm.manager import KvtierOffloadingManager
+    from kvtier.vllm.kvtier_manager import KvtierOffloadingManager
 
     return KvtierOffloadingManager(CPUOffloadingManager(16, capacity, "lru"))
 

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
-    "KVCacheManager": "kvtier.gpu.manager",
+    "KVCacheManager": "kvtier.gpu.kv_cache_manager",
     "Request": "kvtier.request",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
-    from kvtier.gpu.manager import KVCacheManager as KVCacheManager
+    from kvtier.gpu.kv_cache_manager import KVCacheManager as KVCacheManager
     from kvtier.request import Request as Request
 
 

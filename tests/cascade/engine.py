@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.offload.cascade import CascadeOffloadingManager
+from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.offload.filter import FilterReusedOffloadingManager
-from kvtier.offload.manager import CPUOffloadingManager
-from kvtier.store.disk import DiskStore
+from kvtier.offload.policy_manager import CPUOffloadingManager
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
-from kvtier.transfer.cascade import CascadeHandler
-from kvtier.transfer.worker import TransferWorker
+from kvtier.transfer.cascade_handler import CascadeHandler
+from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
 from tests.transfer.helpers import block_bytes, random_kv
 

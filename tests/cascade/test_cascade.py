@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.offload.cascade import CascadeLoadSpec, CascadeStoreSpec
+from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeStoreSpec
 from kvtier.store.diskformat import file_name
 from kvtier.store.layout import KVLayout
 from kvtier.types import BlockHash, int_block_hash

@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.types import BlockHash, int_block_hash
 from tests.cascade.engine import Engine
 from tests.transfer.helpers import CROSS_LAYER, PER_LAYER, block_bytes

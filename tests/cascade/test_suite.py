@@ -6,10 +6,10 @@ from typing import Any
 
 from hypothesis import settings
 
-from kvtier.offload.cascade import CascadeOffloadingManager
+from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.offload.cpu import CPUBackend
-from kvtier.offload.disk import DiskOffloadingManager
-from kvtier.offload.manager import PolicyOffloadingManager
+from kvtier.offload.disk_manager import DiskOffloadingManager
+from kvtier.offload.policy_manager import PolicyOffloadingManager
 from tests.offload.suite import offloading_manager_machine
 
 SETTINGS = settings(max_examples=40, stateful_step_count=40, deadline=None)

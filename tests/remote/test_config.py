@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvtier.remote
-from kvtier.remote.config import RemoteConfig, client_kwargs
+from kvtier.remote.remote_config import RemoteConfig, client_kwargs
 
 
 def test_public_surface_is_exactly_all() -> None:

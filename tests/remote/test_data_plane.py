@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kvtier.remote.breaker import BreakerConfig
-from kvtier.remote.manager import RemoteLoadStoreSpec
+from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.remote.tier import RemoteTier
 from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.transfer.device import DeviceKV, allocate_kv_caches
-from kvtier.transfer.worker import TransferWorker
+from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import int_block_hash
 from tests.remote.conftest import FakeClock, RedisServer
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.remote.breaker import BreakerState
-from kvtier.remote.config import RemoteConfig
 from kvtier.remote.redis_store import RedisBlockStore
+from kvtier.remote.remote_config import RemoteConfig
 from kvtier.types import int_block_hash
 from tests.remote.conftest import FakeClock, RedisServer, serve_redis
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvtier.remote.breaker import BreakerConfig, BreakerState
-from kvtier.remote.config import RemoteConfig
 from kvtier.remote.redis_store import RedisBlockStore
+from kvtier.remote.remote_config import RemoteConfig
 from kvtier.types import int_block_hash
 from tests.remote.conftest import FakeClock, RedisServer
 

@@ -22,7 +22,7 @@ from hypothesis.stateful import (
 from kvtier.offload.abstract import OffloadingEvent
 from kvtier.remote.async_lookup import AsyncLookups
 from kvtier.remote.breaker import BreakerConfig
-from kvtier.remote.manager import RemoteLoadStoreSpec, RemoteOffloadingManager
+from kvtier.remote.remote_manager import RemoteLoadStoreSpec, RemoteOffloadingManager
 from kvtier.remote.tier import RemoteTier
 from kvtier.types import BlockHash, int_block_hash
 from tests.remote.conftest import FakeClock, RedisServer

@@ -8,8 +8,8 @@ import pytest
 
 from kvtier.remote.breaker import BreakerConfig, BreakerState
 from kvtier.remote.codec import BlockCodec
-from kvtier.remote.config import RemoteConfig
 from kvtier.remote.redis_store import RedisBlockStore, RemoteStartupError
+from kvtier.remote.remote_config import RemoteConfig
 from kvtier.types import int_block_hash
 from tests.remote.conftest import FakeClock, RedisServer, require_redis
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from kvtier.remote.breaker import BreakerConfig, BreakerState
-from kvtier.remote.manager import RemoteOffloadingManager
+from kvtier.remote.remote_manager import RemoteOffloadingManager
 from kvtier.remote.tier import RemoteTier
 from kvtier.sim.traces import TraceRequest
 from kvtier.types import BlockHash, int_block_hash
@@ -103,8 +103,8 @@ GOLDEN_FIRST_300_HITS = 676
 
 def test_kvtier_replay_finishes_when_the_server_dies_half_way(redis_server: RedisServer) -> None:
     """The real replay (`kvtier replay --redis`), its server SIGKILLed mid-run."""
-    from kvtier.sim.config import PROGRESS_EVERY, ReplayConfig
     from kvtier.sim.generator import GeneratorConfig, generate_workload
+    from kvtier.sim.replay_config import PROGRESS_EVERY, ReplayConfig
     from kvtier.sim.run import replay
 
     small = GeneratorConfig(  # short prompts: many requests, few blocks, a quick test

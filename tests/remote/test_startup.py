@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.remote.config import RemoteConfig
 from kvtier.remote.redis_store import RedisBlockStore, RemoteStartupError
+from kvtier.remote.remote_config import RemoteConfig
 from kvtier.types import int_block_hash
 from tests.remote.conftest import RedisServer, free_port
 

@@ -6,9 +6,9 @@ import pytest
 
 from kvtier.offload.mediums import CPULoadStoreSpec
 from kvtier.sim.bytes_plane import DataPlane, small_layout
-from kvtier.sim.config import ReplayConfig
 from kvtier.sim.generator import GeneratorConfig, generate_workload
 from kvtier.sim.ledger import Ledger
+from kvtier.sim.replay_config import ReplayConfig
 from kvtier.sim.run import replay
 from kvtier.sim.stack import TierStack, build_stack
 from kvtier.sim.workload import Workload

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.sim.bounds import belady_hits, flatten
-from kvtier.sim.config import ReplayConfig
 from kvtier.sim.generator import GeneratorConfig, generate_workload
+from kvtier.sim.replay_config import ReplayConfig
 from kvtier.sim.run import replay
 from kvtier.sim.traces import TraceRequest
 from kvtier.sim.workload import Workload

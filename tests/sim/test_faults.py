@@ -14,12 +14,12 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvtier.sim.config import ReplayConfig, TimeModel
 from kvtier.sim.generator import GeneratorConfig, generate_workload
 from kvtier.sim.metrics import ReplayResult
+from kvtier.sim.replay_config import ReplayConfig, TimeModel
 from kvtier.sim.run import replay
 from kvtier.sim.workload import Workload
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.types import BlockHash
 
 pytest.importorskip("torch")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.sim.config import ReplayConfig, TimeModel
 from kvtier.sim.generator import GeneratorConfig, generate_workload
+from kvtier.sim.replay_config import ReplayConfig, TimeModel
 from kvtier.sim.run import replay
 from tests.sim.test_faults import figures
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvtier.sim.config import ReplayConfig
 from kvtier.sim.generator import GeneratorConfig, generate_workload
+from kvtier.sim.replay_config import ReplayConfig
 from kvtier.sim.run import replay
 
 pytestmark = pytest.mark.redis

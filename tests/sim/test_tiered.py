@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.sim.bounds import belady_hits, flatten
-from kvtier.sim.config import ReplayConfig, TimeModel
+from kvtier.sim.replay_config import ReplayConfig, TimeModel
 from kvtier.sim.run import replay
 from kvtier.sim.traces import TraceRequest
 from kvtier.sim.workload import Workload, load_workload

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError
 from kvtier.types import int_block_hash
@@ -27,7 +27,7 @@ ITERATIONS = 12
 
 CHILD = """
 import random, sys
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.types import int_block_hash
 

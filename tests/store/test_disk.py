@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.diskformat import file_name
 from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.store.protocol import BlockLoadError

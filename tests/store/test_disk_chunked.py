@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.diskformat import (
     BlockHeader,
     FormatError,

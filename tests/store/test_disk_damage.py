@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.diskformat import LAYOUT_FILE, FormatError, file_name
 from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError

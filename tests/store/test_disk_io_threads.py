@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store import disk as disk_module
-from kvtier.store.disk import DiskStore
+from kvtier.store import disk_store as disk_module
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.diskformat import file_name
 from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError

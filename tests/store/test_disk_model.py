@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.diskformat import file_name
 from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.diskdir import DirectoryInUseError, reclaim_abandoned
 from kvtier.store.diskformat import file_name
 from kvtier.store.layout import KVLayout
@@ -29,7 +29,7 @@ CAPACITY = DiskStore.capacity_for(LAYOUT, 50)
 
 OWNER = """
 import sys
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.types import int_block_hash
 

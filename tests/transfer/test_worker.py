@@ -16,7 +16,7 @@ from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.store.memory import MemoryStore
 from kvtier.transfer import device
 from kvtier.transfer.device import coalesce_runs
-from kvtier.transfer.worker import TransferWorker
+from kvtier.transfer.transfer_worker import TransferWorker
 from tests.transfer.helpers import (
     LAYOUTS,
     PER_LAYER,

@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.offload.mediums import CPULoadStoreSpec
 from kvtier.store.memory import MemoryStore
-from kvtier.transfer.worker import TransferWorker
+from kvtier.transfer.transfer_worker import TransferWorker
 from tests.transfer.helpers import LAYOUTS, block_bytes, random_kv
 
 

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 from kvtier.offload.mediums import CPULoadStoreSpec
 from kvtier.store.memory import MemoryStore
-from kvtier.transfer.worker import TransferWorker
+from kvtier.transfer.transfer_worker import TransferWorker
 from tests.transfer.helpers import CROSS_LAYER, PER_LAYER, block_bytes, random_kv
 
 SLOTS = 8

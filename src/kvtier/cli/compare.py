@@ -10,7 +10,7 @@ from rich.console import Console
 from kvtier.cli.args import open_workload_from_args
 from kvtier.cli.checks import ReportError
 from kvtier.cli.render import progress_bars, sweep_table
-from kvtier.sim.config import ReplayConfig
+from kvtier.sim.replay_config import ReplayConfig
 from kvtier.sim.session import capacities_from_fractions, parse_policies, sweep
 
 

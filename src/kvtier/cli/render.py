@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtier.sim.config import Progress as ProgressCallback
+from kvtier.sim.replay_config import Progress as ProgressCallback
 from kvtier.sim.session import ProgressFactory, ReplayReport, SweepReport
 
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from kvtier.cli.args import open_workload_from_args
 from kvtier.cli.checks import ReportError
 from kvtier.cli.render import fault_lines, progress_bars, replay_table, tier_table
-from kvtier.sim.config import ReplayConfig, TimeModel
+from kvtier.sim.replay_config import ReplayConfig, TimeModel
 from kvtier.sim.session import parse_policies, run_replays
 
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.offload.abstract import LoadStoreSpec, OffloadingManager, PrepareStoreOutput
-from kvtier.offload.cascade import CascadeOffloadingManager
+from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.types import BlockHash
 
 

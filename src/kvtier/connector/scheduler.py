@@ -36,7 +36,7 @@ from typing import Literal
 
 from kvtier.connector.chain import settle_load
 from kvtier.gpu.block_pool import EvictionHook
-from kvtier.gpu.manager import KVCacheManager
+from kvtier.gpu.kv_cache_manager import KVCacheManager
 from kvtier.offload.abstract import LoadStoreSpec, OffloadingManager
 from kvtier.request import Request
 from kvtier.types import BlockHash

@@ -8,8 +8,8 @@ from kvtier.gpu.block import KVCacheBlock
 from kvtier.gpu.block_pool import BlockPool
 from kvtier.gpu.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvtier.gpu.free_queue import FreeKVCacheBlockQueue
-from kvtier.gpu.manager import KVCacheManager
-from kvtier.gpu.stats import PrefixCacheStats
+from kvtier.gpu.kv_cache_manager import KVCacheManager
+from kvtier.gpu.prefix_cache_stats import PrefixCacheStats
 
 __all__ = [
     "AllBlocksCleared",

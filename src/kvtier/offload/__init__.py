@@ -11,18 +11,12 @@ from kvtier.offload.abstract import (
     PrepareStoreOutput,
 )
 from kvtier.offload.backend import Backend, BlockStatus
-from kvtier.offload.cascade import CascadeOffloadingManager
-from kvtier.offload.counters import OffloadingCounters
+from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.offload.cpu import CPUBackend
-from kvtier.offload.disk import DiskBackend, DiskLoadStoreSpec, DiskOffloadingManager
+from kvtier.offload.disk_manager import DiskBackend, DiskLoadStoreSpec, DiskOffloadingManager
 from kvtier.offload.filter import FilterReusedOffloadingManager
-from kvtier.offload.manager import (
-    ARCOffloadingManager,
-    CPUOffloadingManager,
-    LRUOffloadingManager,
-    PolicyOffloadingManager,
-)
 from kvtier.offload.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
+from kvtier.offload.offloading_stats import OffloadingStats
 from kvtier.offload.policies import (
     ARCCachePolicy,
     CachePolicy,
@@ -30,6 +24,12 @@ from kvtier.offload.policies import (
     available_policies,
     get_policy_class,
     register_policy,
+)
+from kvtier.offload.policy_manager import (
+    ARCOffloadingManager,
+    CPUOffloadingManager,
+    LRUOffloadingManager,
+    PolicyOffloadingManager,
 )
 
 __all__ = [
@@ -51,9 +51,9 @@ __all__ = [
     "LRUCachePolicy",
     "LRUOffloadingManager",
     "LoadStoreSpec",
-    "OffloadingCounters",
     "OffloadingEvent",
     "OffloadingManager",
+    "OffloadingStats",
     "PolicyOffloadingManager",
     "PrepareStoreOutput",
     "available_policies",

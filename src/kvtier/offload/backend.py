@@ -3,7 +3,7 @@
 Managers own reference counts and policies own ordering; a backend only hands out
 and takes back storage slots, and says how to address them (a `LoadStoreSpec`).
 A new medium (disk, remote) is a new `Backend` subclass; the generic manager in
-`kvtier.offload.manager` drives any of them with any policy.
+`kvtier.offload.policy_manager` drives any of them with any policy.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from kvtier.offload.abstract import (
     block_hash_list,
     unique_hashes,
 )
-from kvtier.offload.counters import OffloadingCounters
+from kvtier.offload.offloading_stats import OffloadingStats
 from kvtier.types import BlockHash
 
 
@@ -98,8 +98,8 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing.take_events()
 
     @property
-    def counters(self) -> OffloadingCounters:
+    def counters(self) -> OffloadingStats:
         """The backing manager's counters (if it keeps any) plus hashes filtered out."""
         inner = getattr(self._backing, "counters", None)
-        base = inner if isinstance(inner, OffloadingCounters) else OffloadingCounters()
+        base = inner if isinstance(inner, OffloadingStats) else OffloadingStats()
         return replace(base, filtered_out=base.filtered_out + self._filtered_out)

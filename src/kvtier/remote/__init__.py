@@ -5,11 +5,11 @@ Start from `RemoteTier.from_url(url, layout, block_size=...)`; see `tier.py`.
 
 from kvtier.remote.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from kvtier.remote.codec import BlockCodec, DecodeStatus
-from kvtier.remote.config import RemoteConfig
 from kvtier.remote.kv_store import RedisKVStore, RemoteStoreError
-from kvtier.remote.manager import RemoteLoadStoreSpec, RemoteOffloadingManager
 from kvtier.remote.redis_store import RedisBlockStore, RemoteStartupError
-from kvtier.remote.stats import RemoteStats
+from kvtier.remote.remote_config import RemoteConfig
+from kvtier.remote.remote_manager import RemoteLoadStoreSpec, RemoteOffloadingManager
+from kvtier.remote.remote_stats import RemoteStats
 from kvtier.remote.tier import RemoteTier
 
 __all__ = [

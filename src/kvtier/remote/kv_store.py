@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.remote.codec import fingerprint_digest
-from kvtier.remote.manager import RemoteLoadStoreSpec
 from kvtier.remote.redis_store import RedisBlockStore
+from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.store.protocol import BlockLoadError
 

@@ -31,8 +31,8 @@ from redis.exceptions import AuthenticationError, OutOfMemoryError, RedisError, 
 
 from kvtier.remote.breaker import BreakerState, CircuitBreaker
 from kvtier.remote.codec import HEADER_SIZE, BlockCodec, DecodeStatus
-from kvtier.remote.config import NotAClusterError, RedisClient, RemoteConfig, make_client
-from kvtier.remote.stats import RemoteCounters, RemoteStats
+from kvtier.remote.remote_config import NotAClusterError, RedisClient, RemoteConfig, make_client
+from kvtier.remote.remote_stats import RemoteCounters, RemoteStats
 from kvtier.remote.wire import PREFIX_LUA, ValueBuffers, buffered_sets, send_sets
 
 log = logging.getLogger(__name__)

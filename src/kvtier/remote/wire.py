@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import redis
 
 from kvtier.remote.codec import HEADER_SIZE, BlockCodec
-from kvtier.remote.config import RedisClient
+from kvtier.remote.remote_config import RedisClient
 
 # Walk the keys in order and stop at the first whose header does not start with
 # the expected 32 bytes (absent keys read as ''; a key of another type, e.g. a

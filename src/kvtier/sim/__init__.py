@@ -10,9 +10,9 @@ print(result.hit_rate, result.prefix_hit_rate, [t.name for t in result.tiers])
 """
 
 from kvtier.sim.bounds import Bounds, belady_hits, brute_force_hits, compute_bounds, infinite_hits
-from kvtier.sim.config import ReplayConfig, TimeModel
 from kvtier.sim.generator import GeneratorConfig, generate_workload
 from kvtier.sim.metrics import ReplayResult, TierStats
+from kvtier.sim.replay_config import ReplayConfig, TimeModel
 from kvtier.sim.run import replay
 from kvtier.sim.session import ReplayReport, SweepReport, run_replays, sweep
 from kvtier.sim.traces import (

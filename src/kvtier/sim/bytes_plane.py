@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvtier.connector.chain import ChainSpec
 from kvtier.offload.abstract import LoadStoreSpec
-from kvtier.offload.cascade import CascadeLoadSpec, CascadeStoreSpec
+from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeStoreSpec
 from kvtier.sim.ledger import Ledger
 from kvtier.sim.stack import LOCAL, REMOTE, TierStack
 from kvtier.types import BlockHash
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
     from kvtier.store.layout import KVLayout
-    from kvtier.transfer.cascade import CascadeHandler
-    from kvtier.transfer.worker import TransferWorker
+    from kvtier.transfer.cascade_handler import CascadeHandler
+    from kvtier.transfer.transfer_worker import TransferWorker
 
 # One chain member's share of a transfer: (member name, its block hashes, its spec).
 Part = tuple[str, list[BlockHash], LoadStoreSpec]
@@ -140,9 +140,9 @@ class DataPlane:
         self, layout: KVLayout, device_blocks: int, stack: TierStack, ledger: Ledger
     ) -> None:
         from kvtier.store.memory import MemoryStore
-        from kvtier.transfer.cascade import CascadeHandler
+        from kvtier.transfer.cascade_handler import CascadeHandler
         from kvtier.transfer.device import DeviceKV, allocate_kv_caches
-        from kvtier.transfer.worker import TransferWorker
+        from kvtier.transfer.transfer_worker import TransferWorker
 
         self.layout = layout
         self.ledger = ledger

@@ -20,7 +20,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from kvtier.sim.config import PROGRESS_EVERY, Progress, TimeModel
+from kvtier.sim.replay_config import PROGRESS_EVERY, Progress, TimeModel
 from kvtier.sim.step import Pending, Step
 from kvtier.sim.workload import Workload
 

@@ -12,9 +12,9 @@ manager stores every absent block it is offered, so what it did not take, it had
 from __future__ import annotations
 
 from kvtier.offload.abstract import OffloadingManager
-from kvtier.sim.config import PROGRESS_EVERY, Progress
 from kvtier.sim.ledger import Ledger
 from kvtier.sim.metrics import served_tokens
+from kvtier.sim.replay_config import PROGRESS_EVERY, Progress
 
 
 def fast_offload_loop(

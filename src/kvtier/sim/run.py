@@ -16,10 +16,10 @@ import uuid
 
 from kvtier.sim.bytes_plane import BytesPlane, NoBytes
 from kvtier.sim.clock import VirtualClock, Waits, at_once
-from kvtier.sim.config import Progress, ReplayConfig
 from kvtier.sim.fast_loop import fast_offload_loop
 from kvtier.sim.ledger import Ledger
 from kvtier.sim.metrics import ReplayResult, TierCounters
+from kvtier.sim.replay_config import Progress, ReplayConfig
 from kvtier.sim.stack import TierStack, build_stack
 from kvtier.sim.step import ConnectorStep, OffloadStep, Step
 from kvtier.sim.workload import Workload

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.sim.bounds import Bounds, belady_hits, compute_bounds, flatten
-from kvtier.sim.config import Progress, ReplayConfig
 from kvtier.sim.generator import GeneratorConfig, generate_workload
 from kvtier.sim.metrics import ReplayResult
+from kvtier.sim.replay_config import Progress, ReplayConfig
 from kvtier.sim.run import replay
 from kvtier.sim.workload import Workload, load_workload
 

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 from kvtier.connector.chain import TierChain
 from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtier.offload.abstract import OffloadingEvent, OffloadingManager
-from kvtier.offload.cascade import CascadeOffloadingManager
-from kvtier.offload.disk import DiskOffloadingManager
-from kvtier.sim.config import ReplayConfig
+from kvtier.offload.cascade_manager import CascadeOffloadingManager
+from kvtier.offload.disk_manager import DiskOffloadingManager
 from kvtier.sim.metrics import TierCounters
+from kvtier.sim.replay_config import ReplayConfig
 from kvtier.sim.workload import Workload
 
 # The chain's members (the local tiers, then Redis): the bytes plane routes jobs by them.
@@ -39,7 +39,7 @@ LOCAL, REMOTE = "local", "remote"
 
 if TYPE_CHECKING:
     from kvtier.remote.tier import RemoteTier
-    from kvtier.store.disk import DiskStore
+    from kvtier.store.disk_store import DiskStore
     from kvtier.store.layout import KVLayout
 
 
@@ -165,7 +165,7 @@ def _build(
 
 
 def _disk_store(layout: KVLayout, config: ReplayConfig, closing: contextlib.ExitStack) -> DiskStore:
-    from kvtier.store.disk import DiskStore
+    from kvtier.store.disk_store import DiskStore
 
     if config.disk_dir is not None:
         root = config.disk_dir

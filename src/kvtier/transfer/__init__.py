@@ -4,6 +4,6 @@ Imports torch; the scheduler side (`kvtier.offload`) never imports this package.
 """
 
 from kvtier.transfer.device import DeviceKV, allocate_kv_caches
-from kvtier.transfer.worker import TransferResult, TransferWorker
+from kvtier.transfer.transfer_worker import TransferResult, TransferWorker
 
 __all__ = ["DeviceKV", "TransferResult", "TransferWorker", "allocate_kv_caches"]

@@ -19,7 +19,7 @@ _EXPORTS: dict[str, str] = {
     "KvtierOffloadingSpec": "spec",
     "KvtierRedisTier": "secondary_tiers",
     "KvtierTieringOffloadingSpec": "secondary_tiers_spec",
-    "transfer_config": "config",
+    "transfer_config": "extra_config",
 }
 # name prefix -> the submodule that makes those names on demand (one vLLM cache policy
 # per policy in kvtier's registry, "kvtier_lru", "kvtier_arc", ...: see cache_policies)

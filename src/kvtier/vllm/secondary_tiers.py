@@ -33,10 +33,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.offload.policies import get_policy_class
 from kvtier.remote.breaker import BreakerConfig
-from kvtier.remote.config import RemoteConfig
-from kvtier.remote.manager import RemoteLoadStoreSpec
+from kvtier.remote.remote_config import RemoteConfig
+from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.remote.tier import RemoteTier
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.types import BlockHash
 from kvtier.vllm.secondary_tiers_base import KvtierSecondaryTier
 from kvtier.vllm.secondary_tiers_lookup import KeyLookups

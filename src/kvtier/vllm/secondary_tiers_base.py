@@ -46,7 +46,7 @@ from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError
 from kvtier.transfer.device import DeviceKV, cache_shape
 from kvtier.transfer.handlers import StagedHandler
-from kvtier.transfer.worker import TransferWorker
+from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
 
 if TYPE_CHECKING:

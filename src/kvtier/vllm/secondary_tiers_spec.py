@@ -39,9 +39,9 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier.offload.abstract import LoadStoreSpec as KvtierSpec
 from kvtier.transfer.device import DeviceKV, copy_blocks
-from kvtier.transfer.worker import TransferWorker
+from kvtier.transfer.transfer_worker import TransferWorker
+from kvtier.vllm.kvtier_worker import CanonicalDeviceKV
 from kvtier.vllm.spec import layout_for
-from kvtier.vllm.worker import CanonicalDeviceKV
 
 
 class ChunkSpec(KvtierSpec):

@@ -26,15 +26,15 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
-from kvtier.offload.cascade import CascadeOffloadingManager
-from kvtier.offload.disk import DiskOffloadingManager
+from kvtier.offload.cascade_manager import CascadeOffloadingManager
+from kvtier.offload.disk_manager import DiskOffloadingManager
 from kvtier.store.diskformat import BlockHeader, hash_of
 from kvtier.store.layout import KVLayout
 from kvtier.types import BlockHash
-from kvtier.vllm.config import KvtierVllmConfig, parse_extra_config
-from kvtier.vllm.manager import KvtierOffloadingManager
+from kvtier.vllm.extra_config import KvtierVllmConfig, parse_extra_config
+from kvtier.vllm.kvtier_manager import KvtierOffloadingManager
+from kvtier.vllm.kvtier_worker import KvtierOffloadingWorker
 from kvtier.vllm.version import check_vllm_version
-from kvtier.vllm.worker import KvtierOffloadingWorker
 
 # Set while KvtierConnector builds its spec: only that connector reports failed
 # transfers to vLLM's recompute path (vLLM's own asserts that none fail).

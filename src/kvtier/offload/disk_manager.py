@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.backend import Backend, BlockStatus
-from kvtier.offload.manager import PolicyOffloadingManager
+from kvtier.offload.policy_manager import PolicyOffloadingManager
 from kvtier.types import BlockHash
 
 OnFree = Callable[[Sequence[BlockHash]], None]

@@ -18,7 +18,7 @@ Decisions, and why:
   bytes are in the CPU slot the evicting store is about to overwrite, so the load
   spec names that slot (`demoting`) and the data plane reads whichever copy exists.
   This relies on the cascade's data plane running jobs in submission order (one
-  queue; `kvtier.transfer.cascade`), so a demotion always precedes the overwrite,
+  queue; `kvtier.transfer.cascade_handler`), so a demotion always precedes the overwrite,
   and on the engine submitting each job before it prepares a later store (the
   normal step order): a load prepared while a demotion is pending must not queue
   behind a store of a later step that reuses the same slot.

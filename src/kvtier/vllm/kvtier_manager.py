@@ -30,7 +30,6 @@ spec accepts one KV-cache group, so kvtier's managers are given the bare block h
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
 
@@ -47,7 +46,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
-from kvtier.offload.cascade import CascadeOffloadingManager
+from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.types import BlockHash
 from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
 
@@ -58,11 +57,11 @@ GROUP_SUFFIX = (0).to_bytes(4, "big")
 # lookup is not free of effects: the reuse filter counts it). Bounded: vLLM looks up
 # chunks it may never load.
 MAX_REMEMBERED_HITS = 1 << 16
-# How long a Redis hit answers later lookups of the same block. vLLM asks key by key
-# and step by step until every key of a prefix has its answer; an asynchronous answer
-# is read once, so without this a prefix whose answers arrive over several steps
-# could be asked about forever. A block Redis evicted since fails its load: a recompute.
-REMOTE_HIT_TTL_S = 2.0
+# A Redis hit answers later lookups of the same block until a load takes it (or it
+# ages out of this bounded memory). vLLM asks key by key and step by step until every
+# key of a prefix has its answer, and an asynchronous answer is read once: forgetting
+# answers (after a time, as first written) made a loaded machine re-ask a 128-block
+# prefix for minutes. A block Redis evicted since fails its load: a recompute.
 # kvtier medium -> (vLLM medium, locality) for vLLM's KV events.
 _MEDIA: dict[str, tuple[Medium, Locality]] = {
     "CPU": (Medium.CPU, Locality.LOCAL),
@@ -97,7 +96,6 @@ class KvtierOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         on_close: Callable[[], None] | None = None,
         take_discards: Callable[[], list[BlockHash]] | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`take_discards`: disk files the local tier let go of since the last job (the
         worker deletes them in order, before the job that may reuse their slots)."""
@@ -115,8 +113,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self._loads: defaultdict[frozenset[BlockHash], deque[_Load]]
         self._loads = defaultdict(deque)
         self._storing: dict[BlockHash, list[str]] = {}
-        self._found: OrderedDict[BlockHash, tuple[str, float]] = OrderedDict()
-        self._clock = clock
+        self._found: OrderedDict[BlockHash, str] = OrderedDict()
         self._failed_stores: set[tuple[str, BlockHash]] = set()
         self._failed_loads: set[BlockHash] = set()
         self._to_forget: set[BlockHash] = set()
@@ -142,8 +139,7 @@ class KvtierOffloadingManager(OffloadingManager):
             return _HIT if self._local_hit(block_hash) else _MISS
         if self._local_hit(block_hash):
             return self._hit(block_hash, LOCAL)
-        known = self._found.get(block_hash)
-        if known is not None and known[0] == REMOTE and self._clock() - known[1] < REMOTE_HIT_TTL_S:
+        if self._found.get(block_hash) == REMOTE:
             return LookupResult.HIT
         found = self.remote.lookup([block_hash])
         if found is None:
@@ -151,7 +147,7 @@ class KvtierOffloadingManager(OffloadingManager):
         return self._hit(block_hash, REMOTE) if found else LookupResult.MISS
 
     def _hit(self, block_hash: BlockHash, tier: str) -> LookupResult:
-        self._found[block_hash] = (tier, self._clock())
+        self._found[block_hash] = tier
         self._found.move_to_end(block_hash)
         if len(self._found) > MAX_REMEMBERED_HITS:
             self._found.popitem(last=False)
@@ -160,7 +156,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def _where(self, block_hash: BlockHash) -> str:
         known = self._found.pop(block_hash, None)
         if known is not None:
-            return known[0]
+            return known
         return LOCAL if self._local_hit(block_hash) else REMOTE
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvtierLoadSpec:

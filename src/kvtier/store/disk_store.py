@@ -46,7 +46,7 @@ from typing import Literal
 import xxhash
 
 from kvtier.offload.abstract import LoadStoreSpec
-from kvtier.offload.disk import DiskOffloadingManager
+from kvtier.offload.disk_manager import DiskOffloadingManager
 from kvtier.store.checksum import ChecksumError, segments_checksum
 from kvtier.store.diskdir import (
     DirectoryInUseError,

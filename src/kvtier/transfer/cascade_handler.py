@@ -23,15 +23,15 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.offload.abstract import LoadStoreSpec
-from kvtier.offload.cascade import CascadeLoadSpec, CascadeStoreSpec, Demotion
-from kvtier.offload.disk import DiskLoadStoreSpec
+from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeStoreSpec, Demotion
+from kvtier.offload.disk_manager import DiskLoadStoreSpec
 from kvtier.offload.mediums import CPULoadStoreSpec
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockLoadError
 from kvtier.transfer.device import DeviceKV
 from kvtier.transfer.handlers import HostSlotHandler, StagedHandler
-from kvtier.transfer.worker import TransferWorker
+from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
 
 log = logging.getLogger(__name__)

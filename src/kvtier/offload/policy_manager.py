@@ -33,8 +33,8 @@ from kvtier.offload.abstract import (
     unique_hashes,
 )
 from kvtier.offload.backend import Backend, BlockStatus
-from kvtier.offload.counters import OffloadingCounters
 from kvtier.offload.cpu import CPUBackend
+from kvtier.offload.offloading_stats import OffloadingStats
 from kvtier.offload.policies.base import CachePolicy
 from kvtier.offload.policies.registry import create_policy
 from kvtier.types import BlockHash
@@ -275,8 +275,8 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
     # --- beyond vLLM -------------------------------------------------------
 
     @property
-    def counters(self) -> OffloadingCounters:
-        return OffloadingCounters(
+    def counters(self) -> OffloadingStats:
+        return OffloadingStats(
             lookups=self._lookups,
             queried_blocks=self._queried,
             hit_blocks=self._hits,

@@ -38,14 +38,14 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.offload.abstract import LoadStoreSpec as KvtierSpec
-from kvtier.store.disk import DiskStore
+from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
-from kvtier.transfer.cascade import CascadeHandler
+from kvtier.transfer.cascade_handler import CascadeHandler
 from kvtier.transfer.device import DeviceKV
-from kvtier.transfer.worker import TransferWorker
+from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
-from kvtier.vllm.config import KvtierVllmConfig
+from kvtier.vllm.extra_config import KvtierVllmConfig
 from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class OffloadingCounters:
+class OffloadingStats:
     lookups: int = 0  # lookup calls
     queried_blocks: int = 0  # hashes passed to lookup
     hit_blocks: int = 0  # leading hashes found present and ready

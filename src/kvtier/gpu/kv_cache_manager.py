@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from kvtier.gpu.block import KVCacheBlock
 from kvtier.gpu.block_pool import BlockPool, EvictionHook
 from kvtier.gpu.events import KVCacheEvent
+from kvtier.gpu.prefix_cache_stats import PrefixCacheStats
 from kvtier.gpu.sliding_window import (
     find_sliding_window_hit,
     num_window_blocks,
     skipped_block_indices,
 )
-from kvtier.gpu.stats import PrefixCacheStats
 from kvtier.hashing import HashAlgorithm, digest_function, positive_int
 from kvtier.request import Request
 from kvtier.types import BlockHash
