@@ -164,7 +164,7 @@ class KvtierOffloadingManager(OffloadingManager):
         where = (
             [self._where(h) for h in hashes] if self.remote is not None else [LOCAL] * len(hashes)
         )
-        spec = KvtierLoadSpec(discards=self._take_discards())
+        spec = KvtierLoadSpec()
         taken: list[tuple[str, list[BlockHash]]] = []
         try:
             for name in (LOCAL, REMOTE):
@@ -179,6 +179,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 self._tier(name).complete_load(part)
             raise
         spec.promotion = self._plan_promotion(spec.parts)
+        spec.discards = self._take_discards()  # after the promotion's own disk evictions
         promoted = spec.promotion.block_hashes if spec.promotion is not None else []
         self._loads[frozenset(hashes)].append((taken, promoted))
         return spec
