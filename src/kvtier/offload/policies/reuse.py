@@ -6,9 +6,10 @@ Each block is scored by the clock at its last use plus a bonus for its class
 (`scored.py`): cold, first seen, seen twice, seen more, or first seen in a
 request that extends a chain already known. No single set of bonuses wins at
 every capacity and on every workload, so four settings (below) run side by side
-on small shadow caches that see a 1/16 sample of the hashes (fed every BATCH
-requests, one call per shadow), and the cache follows whichever had the most
-decayed hits lately: set dueling. The first setting is LRU with leaf-first
+on small shadow caches that see a 1/16 sample of the hashes (fed in batches of
+up to BATCH requests, one call per shadow, while a batch stays under a quarter
+of a shadow's capacity so that its hits are not lost), and the cache follows
+whichever had the most decayed hits lately: set dueling. The first setting is LRU with leaf-first
 eviction, and another is followed only once it leads that one by LEAD hits, so
 when nothing else clearly pays the policy is LRU.
 
@@ -54,7 +55,8 @@ SETTINGS: tuple[Weights, ...] = (
 HISTORY = 6.0  # capacities of evicted hashes remembered (3 to 6: two generations)
 SAMPLE_MASK = 15  # a hash is in the shadows' sample when its last byte & 15 == 0
 _SAMPLED = tuple(bytes([b]) for b in range(256) if not b & SAMPLE_MASK)  # last bytes
-BATCH = 4  # requests whose samples the shadows take in one go
+BATCH = 32  # requests whose samples the shadows take in one go, at most
+BATCH_SHARE = 4  # ... and at most a 1/BATCH_SHARE of a shadow's capacity in keys
 LEAD = 3.0  # decayed shadow hits a setting must lead the LRU setting by to be followed
 DECAY = 0.999  # per request: the duel remembers about the last thousand requests
 COLD_RATIO = 4.0  # last blocks go COLD when reused this many times less often
@@ -104,6 +106,7 @@ class ReuseCachePolicy(CachePolicy):
         self._main = ScoredLists(cache_capacity, SETTINGS[0], HISTORY)
         shadow_capacity = max(1, cache_capacity // (SAMPLE_MASK + 1))
         self._shadows = [ScoredLists(shadow_capacity, w, HISTORY) for w in SETTINGS]
+        self._batch_keys = max(1, shadow_capacity // BATCH_SHARE)
         self._hits = [0.0] * len(SETTINGS)
         self.setting = 0  # index into SETTINGS, as chosen by the duel
         self._predictor = _LastBlockReuse(int(HISTORY * shadow_capacity))
@@ -175,7 +178,7 @@ class ReuseCachePolicy(CachePolicy):
             self._duel(sampled, last)
 
     def _duel(self, sampled: list[BlockHash], last: BlockHash) -> None:
-        """Queue the sampled keys for the shadows; every BATCH requests, replay them."""
+        """Queue the sampled keys for the shadows; replay them once a batch is full."""
         self._predictor.observe(sampled, last)
         self._cold_last = self._predictor.cold()
         self._queued += sampled
@@ -185,7 +188,7 @@ class ReuseCachePolicy(CachePolicy):
         if self._cold_last and sampled[-1] == last:
             classes[last] = COLD
         self._queued_requests += 1
-        if self._queued_requests >= BATCH:
+        if self._queued_requests >= BATCH or len(self._queued) >= self._batch_keys:
             self._replay_shadows()
 
     def _replay_shadows(self) -> None:
