@@ -230,3 +230,85 @@ def test_gathers_and_scatters_move_whole_rows(row_bytes: int) -> None:
     for src, dst in zip(planes, out, strict=True):
         assert dst[[1, 2, 3, 4]].tolist() == src[[5, 0, 7, 2]].tolist()
         assert dst[[7, 0, 5]].tolist() == src[[4, 5, 6]].tolist()
+
+
+@pytest.mark.parametrize("row_bytes", [16, 64 << 10])  # numpy pieces; torch `index_select`
+@pytest.mark.parametrize("strided", ["src", "dst"])
+def test_copies_between_halves_of_pages_move_the_right_rows(row_bytes: int, strided: str) -> None:
+    """vLLM's CPU pages cut into K and V halves: strided planes, as a store's source or a
+    load's destination; device ids descending (vLLM's free queue hands them out so)."""
+    gen = torch.Generator().manual_seed(3)
+    pages = torch.randint(0, 255, (12, 2 * row_bytes), dtype=torch.uint8, generator=gen)
+    halves = [pages.view(12, 2, row_bytes)[:, i] for i in (0, 1)]
+    flat = [torch.randint(0, 255, (12, row_bytes), dtype=torch.uint8, generator=gen) for _ in "kv"]
+    src, dst = (halves, flat) if strided == "src" else (flat, halves)
+    expected = [d.clone() for d in dst]
+    pairs = [
+        (np.arange(11, 3, -1), np.arange(0, 8)),  # a reversed source into one run
+        (np.array([2, 9, 0, 5]), np.array([8, 9, 10, 11])),  # a shuffled source into one run
+        (np.arange(0, 4), np.array([11, 6, 3, 7])),  # one source run, scattered
+    ]
+    for src_ids, dst_ids in pairs:
+        device.copy_blocks(src, src_ids, dst, dst_ids)
+        for s, e in zip(src, expected, strict=True):
+            e[torch.from_numpy(dst_ids)] = s[torch.from_numpy(src_ids)]
+        for d, e in zip(dst, expected, strict=True):
+            assert torch.equal(d, e)
+
+
+def test_a_worker_limits_torch_threads_in_its_own_threads_only() -> None:
+    seen: list[int] = []
+    before = torch.get_num_threads()
+
+    def later() -> None:
+        seen.append(torch.get_num_threads())
+
+    class Probe:
+        kv = random_kv(LAYOUTS[0], num_blocks=2, seed=1)
+
+        def load(self, spec: object, device_ids: object) -> int:
+            seen.append(torch.get_num_threads())
+            return 0
+
+    worker = TransferWorker(Probe(), torch_threads=1)  # type: ignore[arg-type]
+    worker.submit_load(1, object(), np.array([0]))  # type: ignore[arg-type]
+    worker.wait([1])
+    worker.close()
+    thread = threading.Thread(target=later)
+    thread.start()
+    thread.join()
+    assert seen == [1, before]  # the worker's copies; a thread started after it
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="torch_threads"):
+        TransferWorker(Probe(), torch_threads=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["per_layer", "cross_layer"])
+@pytest.mark.parametrize("copy_threads", [2, 3])
+def test_copy_threads_share_a_job_and_move_the_same_bytes(
+    layout: KVLayout, copy_threads: int
+) -> None:
+    kv = random_kv(layout, num_blocks=12, seed=4)
+    expected = {i: block_bytes(kv, i) for i in range(12)}
+    host = MemoryStore(layout, 12)
+    with TransferWorker.for_store(kv, host, copy_threads=copy_threads) as worker:
+        ids = np.array([11, 3, 7, 0, 5, 9])
+        worker.submit_store(1, ids, CPULoadStoreSpec(list(range(6))))
+        worker.wait([1])
+        for seg in kv.segments:
+            seg.zero_()
+        worker.submit_load(2, CPULoadStoreSpec([5, 4, 3, 2, 1, 0]), np.arange(6))
+        worker.wait([2])
+        assert all(r.ok for r in worker.get_finished())
+    assert [block_bytes(kv, i) for i in range(6)] == [expected[int(i)] for i in ids[::-1]]
+
+
+def test_copy_threads_split_whole_layers() -> None:
+    from kvtier.transfer.handlers import _shares
+
+    assert _shares(48, 2) == [slice(0, 24), slice(24, 48)]
+    assert _shares(6, 4) == [slice(0, 2), slice(2, 4), slice(4, 6)]  # three layers
+    assert _shares(1, 2) == [slice(0, 1)]
+    with pytest.raises(ValueError, match="copy_threads"):
+        kv = random_kv(LAYOUTS[0], num_blocks=2, seed=1)
+        TransferWorker.for_store(kv, MemoryStore(LAYOUTS[0], 2), copy_threads=0)

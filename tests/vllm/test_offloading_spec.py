@@ -260,11 +260,27 @@ def test_redis_shared_between_engines_and_killed(engines: list[Engine], tmp_path
         ({"cpu_bytes_to_use": 1 << 20, "redis_url": "http://x"}, "must start with redis://"),
         ({"cpu_bytes_to_use": 1 << 20, "max_tracker_size": 5}, "does not apply"),
         ({"cpu_bytes_to_use": 10}, "below one block of this model"),
+        ({"cpu_bytes_to_use": 1 << 20, "cpu_copy_threads": 0}, "must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_config_fails_at_start(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KvtierOffloadingSpec(spec_config(extra))
+
+
+def test_an_idle_step_waits_for_the_oldest_load(engines: list[Engine]) -> None:
+    engine = Engine({"cpu_bytes_to_use": 4 * BLOCK_BYTES, "cpu_copy_threads": 3})
+    engines.append(engine)
+    engine.worker.wait_for_load(30)  # nothing in flight: returns at once
+    keys = keys_of(4)
+    data = engine.compute([0, 1, 2, 3], seed=7)
+    engine.store(keys, [0, 1, 2, 3])
+    spec = engine.manager.prepare_load(keys, engine.ctx)
+    engine.worker.submit_load(99, spec, GPULoadStoreSpec([8, 6, 5, 4], [4], [0]))
+    engine.worker.wait_for_load(30)
+    assert [r.job_id for r in engine.worker.get_finished()] == [99]
+    assert [engine.block_bytes(i) for i in (8, 6, 5, 4)] == [data[i] for i in range(4)]
+    engine.manager.complete_load(set(keys), engine.ctx)
 
 
 def test_failure_prone_tiers_need_kvtier_connector(tmp_path: Path) -> None:

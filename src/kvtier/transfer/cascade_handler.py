@@ -40,11 +40,13 @@ log = logging.getLogger(__name__)
 class CascadeHandler:
     """Moves the bytes of `CascadeStoreSpec` / `CascadeLoadSpec` jobs."""
 
-    def __init__(self, kv: DeviceKV, memory: MemoryStore, disk: DiskStore) -> None:
+    def __init__(
+        self, kv: DeviceKV, memory: MemoryStore, disk: DiskStore, *, copy_threads: int = 1
+    ) -> None:
         self.kv = kv
         self.memory = memory
         self.disk = disk
-        self._host = HostSlotHandler(kv, memory)
+        self._host = HostSlotHandler(kv, memory, copy_threads=copy_threads)
         self._staged = StagedHandler(kv, disk)
         self._lost: list[BlockHash] = []
         # CPU slot -> the block whose demotion from it failed (the slot is reused since).
@@ -56,6 +58,9 @@ class CascadeHandler:
         # job goes on, so only these say that the disk tier's store failed.
         self.failed_demotions = 0
         self.failed_demotion_blocks = 0
+
+    def close(self) -> None:
+        self._host.close()
 
     @classmethod
     def worker(

@@ -16,7 +16,10 @@ and the events are skipped.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,6 +105,32 @@ class DeviceKV:
         return event
 
 
+def limit_torch_threads(n: int) -> None:
+    """Let torch ops started from the calling thread use `n` threads; others keep theirs.
+
+    Why: inside a vLLM engine on the CPU, vLLM binds its OpenMP threads one per core,
+    and a big torch copy from a kvtier thread starts a second OpenMP team bound to the
+    same cores (measured in an engine: a 2-thread load copy ran at 0.65-0.8 of a
+    1-thread one, half its time waiting). torch keeps the per-thread count (OpenMP's)
+    and also a default for threads started later; vLLM's own stay as they are, and a
+    short-lived thread puts that default back.
+    """
+    default = torch.get_num_threads()
+    torch._C.set_num_threads(n)  # the builtin: vLLM's CPU worker patches torch.set_num_threads
+    restore = threading.Thread(target=torch._C.set_num_threads, args=(default,))
+    restore.start()
+    restore.join()
+
+
+def float_copy_thread() -> None:
+    """Start of a copy helper thread: torch on this thread only, any core the process may
+    use (a thread started by one that vLLM bound to a core would stay on that core)."""
+    limit_torch_threads(1)
+    if hasattr(os, "sched_setaffinity"):  # Linux; the kernel keeps only allowed cores
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+
+
 def cuda_event() -> Any:
     return torch.cuda.Event()  # type: ignore[no-untyped-call]
 
@@ -136,10 +165,11 @@ def copy_blocks(
 
     On CUDA: one strided copy per run of ids consecutive on both sides. On CPU the
     pairs are cut at whichever side has fewer runs: a run of consecutive destination
-    ids is one gather into it (numpy `take`; torch `index_select` for big rows), a run
-    of consecutive source ids one numpy scatter from it; both loop over blocks in C, not
-    in Python (torch's scatter kernels copy element by element at a fifth of memcpy
-    speed). Which library copies what: see `TORCH_COPY_BYTES`.
+    ids is one gather into it (torch `index_select`, which reads only the rows it
+    takes; numpy for small pieces), a run of consecutive source ids one numpy scatter
+    from it; both loop over blocks in C, not in Python (torch's scatter kernels copy
+    element by element at a fifth of memcpy speed). Which library copies what: see
+    `TORCH_COPY_BYTES`.
     `src_arrays`/`dst_arrays`: the segments' numpy views, when the caller keeps them;
     `stacks`: `stack_planes(src, dst)`, likewise (runs then copy a stack per call).
     """
@@ -161,19 +191,24 @@ def copy_blocks(
         return moved
     by_dst, dst_runs = _sorted_runs(dst_ids)
     by_src, src_runs = _sorted_runs(src_ids)
-    if len(dst_runs) <= len(src_runs):
+    # as many runs either way (a reversed run): into strided planes (vLLM's pages cut in
+    # halves) numpy's scatter writes faster than a gather (8.7 against 7.4 GB/s, one thread)
+    if len(dst_runs) < len(src_runs) or (len(dst_runs) == len(src_runs) and sides.dst_contiguous):
         _gather(sides, src_ids[by_dst], dst_ids[by_dst], dst_runs)
     else:
         _scatter(sides, src_ids[by_src], dst_ids[by_src], src_runs)
     return moved
 
 
-# From this many bytes per copied piece on, torch's vectorised copy loop is 5-10% faster
-# than numpy's memmove (`rep movsb` at these sizes), which outweighs its higher cost per
-# call (3-7 us against 1-2 us). Measured on 16 KiB to 16 MiB pieces: contiguous runs
-# gain from 256 KiB, and so do gathers of rows (`index_select`, 0.97 of a big copy
-# where numpy's `take` gets 0.89); a scatter has no fast torch kernel (`index_copy_`
-# copies element by element), so only rows of 1 MiB and more go one torch copy each.
+# From this many bytes per copy call on, torch beats numpy: its vectorised copy loop is
+# 5-10% faster than numpy's memmove on contiguous runs, which outweighs its higher cost
+# per call (3-7 us against 1-2 us); and its `index_select` reads only the rows it
+# gathers, where numpy's `take` first copies a strided source plane whole (vLLM's CPU
+# pages cut into K and V halves: 85 of 300 rows of 16 KiB, one thread, 9.7 GB/s
+# against 3.2; into strided halves 7.4 against 5.7; 1.2-1.5x numpy's fancy indexing).
+# That is what bench_vllm's CPU load rate measures. A scatter has no fast torch kernel
+# (`index_copy_` copies element by element), so only rows of 1 MiB and more go one
+# torch copy each.
 TORCH_COPY_BYTES = 256 << 10
 TORCH_ROW_BYTES = 1 << 20
 
@@ -229,7 +264,9 @@ class _Sides:
         self.stacks = stacks
         self.limit = len(src_np[0])
         row = int(src_np[0].shape[1])
-        self.torch_gather = row >= TORCH_COPY_BYTES and all(t.is_contiguous() for t in dst)
+        self.row = row
+        self.src_contiguous = all(a.flags.c_contiguous for a in src_np)
+        self.dst_contiguous = all(a.flags.c_contiguous for a in dst_np)
         self.big_rows = row >= TORCH_ROW_BYTES
 
     def run(self, s: int, d: int, n: int) -> None:
@@ -280,14 +317,17 @@ def _gather(
             continue
         if int(chunk.min()) < 0 or int(chunk.max()) >= sides.limit:  # `take` would clip
             raise IndexError(f"source block ids {chunk.tolist()} outside [0, {sides.limit})")
-        if sides.torch_gather:
+        if (b - a) * sides.row >= TORCH_COPY_BYTES:
             index = torch.from_numpy(np.ascontiguousarray(chunk))
             for src_seg, dst_seg in zip(sides.src, sides.dst, strict=True):
                 torch.index_select(src_seg, 0, index, out=dst_seg[d : d + b - a])
             continue
         for src_array, dst_array in zip(sides.src_np, sides.dst_np, strict=True):
-            # mode="clip": no bounds pass and, unlike the default, no buffered copy of out
-            np.take(src_array, chunk, axis=0, out=dst_array[d : d + b - a], mode="clip")
+            if sides.src_contiguous:
+                # mode="clip": no bounds pass and, unlike the default, no buffered copy of out
+                np.take(src_array, chunk, axis=0, out=dst_array[d : d + b - a], mode="clip")
+            else:  # `take` would first copy the whole strided plane
+                dst_array[d : d + b - a] = src_array[chunk]
 
 
 def _scatter(

@@ -48,7 +48,7 @@ import numpy.typing as npt
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockStore
-from kvtier.transfer.device import DeviceKV
+from kvtier.transfer.device import DeviceKV, limit_torch_threads
 from kvtier.transfer.handlers import HostSlotHandler, StagedHandler, TransferHandler
 
 log = logging.getLogger(__name__)
@@ -82,12 +82,22 @@ class TransferWorker:
     """Threads and ordering around a `TransferHandler`; see the module docstring."""
 
     def __init__(
-        self, handler: TransferHandler, *, max_queued_jobs: int = 64, ordered: bool = False
+        self,
+        handler: TransferHandler,
+        *,
+        max_queued_jobs: int = 64,
+        ordered: bool = False,
+        torch_threads: int | None = None,
     ) -> None:
         """`ordered=True` runs loads and stores on one thread in submission order (the
-        cascade needs it: a demotion must run before any later job reuses its slots)."""
+        cascade needs it: a demotion must run before any later job reuses its slots).
+        `torch_threads`: how many threads each worker thread's torch copies may use
+        (None: torch's default); see `limit_torch_threads`."""
         if max_queued_jobs < 1:
             raise ValueError(f"max_queued_jobs must be >= 1, got {max_queued_jobs}")
+        if torch_threads is not None and torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1 or None, got {torch_threads}")
+        self._torch_threads = torch_threads
         self.handler = handler
         self._block_bytes = max(1, handler.kv.layout.bytes_per_block)
         # the handler's spec merge (the memory tier has one), looked up once
@@ -117,15 +127,22 @@ class TransferWorker:
 
     @classmethod
     def for_store(
-        cls, kv: DeviceKV, store: BlockStore | MemoryStore, *, max_queued_jobs: int = 64
+        cls,
+        kv: DeviceKV,
+        store: BlockStore | MemoryStore,
+        *,
+        max_queued_jobs: int = 64,
+        torch_threads: int | None = None,
+        copy_threads: int = 1,
     ) -> TransferWorker:
-        """A worker moving `kv`'s blocks to and from `store` (direct copies for memory)."""
+        """A worker moving `kv`'s blocks to and from `store` (direct copies for memory;
+        `copy_threads`: see `HostSlotHandler`)."""
         handler: TransferHandler
         if isinstance(store, MemoryStore):
-            handler = HostSlotHandler(kv, store)
+            handler = HostSlotHandler(kv, store, copy_threads=copy_threads)
         else:
             handler = StagedHandler(kv, store)
-        return cls(handler, max_queued_jobs=max_queued_jobs)
+        return cls(handler, max_queued_jobs=max_queued_jobs, torch_threads=torch_threads)
 
     # submission (scheduler thread)
 
@@ -193,6 +210,9 @@ class TransferWorker:
             jobs.put(_STOP)
         for thread in self._threads:
             thread.join()
+        close = getattr(self.handler, "close", None)  # a handler's own helper threads
+        if close is not None:
+            close()
 
     def __enter__(self) -> TransferWorker:
         return self
@@ -203,6 +223,8 @@ class TransferWorker:
     # worker threads
 
     def _serve(self, jobs: queue.Queue[Any]) -> None:
+        if self._torch_threads is not None:
+            limit_torch_threads(self._torch_threads)
         item = jobs.get()
         while item is not _STOP:
             direction, job = item

@@ -3,8 +3,8 @@
 vLLM 0.32's OffloadingConnector asserts that every transfer succeeds: it was written
 for copies between device and host memory, which do not fail. kvtier's lower tiers
 do (a full or corrupt disk, a Redis server that went away), and a figure or an
-answer must never depend on a load that did not happen. This subclass changes only
-that:
+answer must never depend on a load that did not happen. This subclass changes that,
+and one thing more (the last point):
 
 - worker side: the spec's worker reports each job done (so vLLM's bookkeeping moves
   on) and keeps what failed. A failed load's device blocks go to
@@ -15,6 +15,9 @@ that:
 - scheduler side: the report is applied to kvtier's manager before vLLM completes
   the jobs of the same step, so a failed store is dropped instead of made readable
   and a corrupt block is forgotten instead of offered again.
+- a step with nothing to compute (every request waits for its KV) waits a few
+  milliseconds for the oldest load before it returns, rather than letting the engine
+  spin through empty steps on the cores the copy runs on.
 
 Everything else, scheduling included, is vLLM's own code.
 """
@@ -55,6 +58,11 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata):
         )
 
 
+# How long an empty engine step waits for a load: longer frees more of the copy's core,
+# but delays a request that arrives meanwhile by as much.
+IDLE_STEP_WAIT_S = 0.005
+
+
 class KvtierConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         check_vllm_version()
@@ -71,6 +79,23 @@ class KvtierConnector(OffloadingConnector):
                 'recomputed; set "kv_load_failure_policy": "recompute"',
                 transfer.kv_load_failure_policy,
             )
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        # no attention metadata: vLLM runs this step only for the connector (every
+        # request is waiting, most likely for a kvtier load)
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """On a step with nothing to compute, wait (up to IDLE_STEP_WAIT_S) for the oldest
+        load instead of returning at once: vLLM would run the next empty step right away,
+        and its engine loop spinning through empty steps takes the cores the copy needs
+        (on the CPU platform, the very core: vLLM binds the worker's thread to it)."""
+        worker = self._kvtier_worker()
+        if worker is not None and getattr(self, "_idle_step", False):
+            worker.wait_for_load(IDLE_STEP_WAIT_S)
+        finished: tuple[set[str], set[str]] = super().get_finished(finished_req_ids)
+        return finished
 
     def _kvtier_worker(self) -> Any:
         worker = self.connector_worker.worker if self.connector_worker is not None else None

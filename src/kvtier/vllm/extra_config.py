@@ -53,6 +53,7 @@ class KvtierVllmConfig:
     eviction_policy: str = "lru"
     store_threshold: int = 0
     cpu_checksums: bool = False
+    cpu_copy_threads: int = 2
     disk_path: str | None = None
     disk_bytes_to_use: int | None = None
     disk_writes: DiskWrites = "demote"
@@ -105,7 +106,7 @@ def _check(key: str, value: Any) -> Any:
     where = f"kv_connector_extra_config[{key!r}]"
     if key in ("cpu_bytes_to_use", "disk_bytes_to_use"):
         return _integer(where, value, minimum=1)
-    if key in ("store_threshold", "disk_io_threads", "redis_ttl_s"):
+    if key in ("store_threshold", "disk_io_threads", "redis_ttl_s", "cpu_copy_threads"):
         return _integer(where, value, minimum=1 if key != "store_threshold" else 0)
     if key in ("cpu_checksums", "disk_fsync"):
         if not isinstance(value, bool):

@@ -135,6 +135,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._handler: _CascadeHandler | None = None
         self.remote_tier = remote
         self.workers: dict[str, TransferWorker] = {}
+        # on the CPU platform vLLM's OpenMP threads hold every core: torch copies on one
+        # thread each, from `cpu_copy_threads` threads (see HostSlotHandler)
+        threads = None if self.kv.is_cuda else 1
+        copiers = 1 if self.kv.is_cuda else config.cpu_copy_threads
         try:
             if config.disk_path is not None:
                 self.disk = DiskStore(
@@ -144,12 +148,20 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     fsync=config.disk_fsync,
                     io_threads=config.disk_io_threads,
                 )
-                self._handler = _CascadeHandler(self.kv, self.memory, self.disk)
-                self.workers[LOCAL] = TransferWorker(self._handler, ordered=True)
+                self._handler = _CascadeHandler(
+                    self.kv, self.memory, self.disk, copy_threads=copiers
+                )
+                self.workers[LOCAL] = TransferWorker(
+                    self._handler, ordered=True, torch_threads=threads
+                )
             else:
-                self.workers[LOCAL] = TransferWorker.for_store(self.kv, self.memory)
+                self.workers[LOCAL] = TransferWorker.for_store(
+                    self.kv, self.memory, torch_threads=threads, copy_threads=copiers
+                )
             if remote is not None:
-                self.workers[REMOTE] = TransferWorker.for_store(self.kv, remote.kv_store(layout))
+                self.workers[REMOTE] = TransferWorker.for_store(
+                    self.kv, remote.kv_store(layout), torch_threads=threads
+                )
         except BaseException:
             self.shutdown()
             raise
@@ -278,6 +290,17 @@ class KvtierOffloadingWorker(OffloadingWorker):
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def wait_for_load(self, timeout: float) -> None:
+        """Block until the oldest load in flight is done, or `timeout` seconds pass."""
+        with self._lock:
+            job = next((j for j in self._jobs.values() if j.is_load), None)
+            subs = [] if job is None else [(part.tier, sub) for sub, part in job.waiting.items()]
+        deadline = time.monotonic() + timeout
+        for tier, sub in subs:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.workers[tier].wait([sub], timeout=left):
+                return
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until these jobs are done (a promotion starts only after its load)."""

@@ -86,7 +86,10 @@ class KvtierRegionWorker(OffloadingWorker):
             view = region.create_next_worker_view(page).view(torch.uint8)
             halves = view.view(region.num_chunks, 2, page // 2)
             rows += [halves[:, 0], halves[:, 1]]
-        self._worker = TransferWorker(RegionHandler(kv, rows))
+        # on the CPU platform vLLM's OpenMP threads hold every core: copy on one thread
+        self._worker = TransferWorker(
+            RegionHandler(kv, rows), torch_threads=None if kv.is_cuda else 1
+        )
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
