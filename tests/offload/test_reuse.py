@@ -155,7 +155,7 @@ def test_last_blocks_go_cold_only_when_the_sample_says_they_are_rarely_reused() 
         base = 1_000_000 + 32 * 4 * r
         request(m, 0, base, base + 32)  # shared root, a prefix, a partial tail
         request(m, 0, base, base + 64)
-    assert policy._predictor.cold()
+    assert policy._predictor.is_cold
     assert h(1_000_000 + 32 * 4 * 199 + 64)[0] in classes(m)[COLD]
     # whole-block chats: the last block of a turn is re-sent by the next turn
     policy = ReuseCachePolicy(3200)
@@ -164,7 +164,7 @@ def test_last_blocks_go_cold_only_when_the_sample_says_they_are_rarely_reused() 
         base = 1_000_000 + 32 * 4 * r
         request(m, 0, base, base + 32)
         request(m, 0, base, base + 32, base + 64)
-    assert not policy._predictor.cold()
+    assert not policy._predictor.is_cold
     assert classes(m)[COLD] == []
 
 

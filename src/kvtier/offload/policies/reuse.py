@@ -37,7 +37,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence, Set
 from itertools import compress, filterfalse, repeat
+from operator import itemgetter
 
+from kvtier.offload._fast import consume
 from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies.base import CachePolicy, Victims
 from kvtier.offload.policies.scored import COLD, NEW, NEW_IN_CHAIN, ScoredLists, Weights
@@ -54,7 +56,8 @@ SETTINGS: tuple[Weights, ...] = (
 )
 HISTORY = 6.0  # capacities of evicted hashes remembered (3 to 6: two generations)
 SAMPLE_MASK = 15  # a hash is in the shadows' sample when its last byte & 15 == 0
-_SAMPLED = tuple(bytes([b]) for b in range(256) if not b & SAMPLE_MASK)  # last bytes
+_SAMPLED = frozenset(b for b in range(256) if not b & SAMPLE_MASK)  # last bytes
+_LAST_BYTE = itemgetter(-1)
 BATCH = 32  # requests whose samples the shadows take in one go, at most
 BATCH_SHARE = 4  # ... and at most a 1/BATCH_SHARE of a shadow's capacity in keys
 LEAD = 3.0  # decayed shadow hits a setting must lead the LRU setting by to be followed
@@ -76,6 +79,7 @@ class _LastBlockReuse:
         self._first: OrderedDict[BlockHash, int] = OrderedDict()
         self.seen = [0, 0]  # [other, last]
         self.reused = [0, 0]
+        self.is_cold = False  # what `_cold` said after the last `observe`
 
     def observe(self, sampled: list[BlockHash], last: BlockHash) -> None:
         first = self._first
@@ -90,8 +94,9 @@ class _LastBlockReuse:
                 first[key] = -1  # counted once
         while len(first) > self.horizon:
             first.popitem(last=False)
+        self.is_cold = self._cold()
 
-    def cold(self) -> bool:
+    def _cold(self) -> bool:
         """Whether last blocks are reused under 1/COLD_RATIO as often as the others."""
         if self.seen[1] < MIN_EVIDENCE:
             return False
@@ -173,18 +178,20 @@ class ReuseCachePolicy(CachePolicy):
         in_chain = len(keys) > 1 and main.seen(keys[0]) and main.seen(keys[1])
         self._first_seen = NEW_IN_CHAIN if in_chain else NEW
         main.touch(keys)
-        sampled = list(compress(keys, map(bytes.endswith, keys, repeat(_SAMPLED))))
+        try:  # C-level: a byte per key, looked up in a set
+            sampled = list(compress(keys, map(_SAMPLED.__contains__, map(_LAST_BYTE, keys))))
+        except IndexError:  # an empty key
+            sampled = [key for key in keys if key and key[-1] in _SAMPLED]
         if sampled:
             self._duel(sampled, last)
 
     def _duel(self, sampled: list[BlockHash], last: BlockHash) -> None:
         """Queue the sampled keys for the shadows; replay them once a batch is full."""
         self._predictor.observe(sampled, last)
-        self._cold_last = self._predictor.cold()
+        self._cold_last = self._predictor.is_cold
         self._queued += sampled
         classes = self._queued_classes
-        for key in sampled:
-            classes.setdefault(key, self._first_seen)
+        consume(map(classes.setdefault, sampled, repeat(self._first_seen)))
         if self._cold_last and sampled[-1] == last:
             classes[last] = COLD
         self._queued_requests += 1

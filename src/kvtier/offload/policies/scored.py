@@ -64,6 +64,7 @@ class ScoredLists:
         self.cls: dict[BlockHash, int] = {}
         self.time: dict[BlockHash, int] = {}
         self.lists = [RecencyList() for _ in range(NUM_CLASSES)]
+        self._orders = [lst.order for lst in self.lists]  # the same dicts, for eviction
         self._parked = [lst.parked for lst in self.lists]  # the same dicts, for `any`
         self._hist_new: dict[BlockHash, int] = {}
         self._hist_old: dict[BlockHash, int] = {}
@@ -217,7 +218,7 @@ class ScoredLists:
         score while its next block scores no more than the runner-up's head. Stops
         early at a pinned, in-flight or protected head (then `_scan` goes on).
         """
-        orders = [lst.order for lst in self.lists]
+        orders = self._orders
         time, bonus = self.time, self.bonus
         scores = [
             time[next(iter(o))] + b if o else _NONE for o, b in zip(orders, bonus, strict=True)
