@@ -66,6 +66,7 @@ IDLE_STEP_WAIT_S = 0.005
 class KvtierConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         check_vllm_version()
+        self._idle_step = False  # the current step computes nothing (see get_finished)
         token = UNDER_KVTIER_CONNECTOR.set(True)
         try:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -92,7 +93,7 @@ class KvtierConnector(OffloadingConnector):
         and its engine loop spinning through empty steps takes the cores the copy needs
         (on the CPU platform, the very core: vLLM binds the worker's thread to it)."""
         worker = self._kvtier_worker()
-        if worker is not None and getattr(self, "_idle_step", False):
+        if worker is not None and self._idle_step:
             worker.wait_for_load(IDLE_STEP_WAIT_S)
         finished: tuple[set[str], set[str]] = super().get_finished(finished_req_ids)
         return finished
