@@ -80,6 +80,12 @@ class CanonicalDeviceKV(DeviceKV):
             [] if self.is_cuda else [seg.numpy() for seg in self.segments]
         )
 
+    @property
+    def torch_threads(self) -> int | None:
+        """Threads for each of kvtier's copying threads' torch ops: on the CPU platform
+        vLLM's OpenMP threads hold every core, so one (see `limit_torch_threads`)."""
+        return None if self.is_cuda else 1
+
 
 @dataclass(frozen=True)
 class DiscardSpec(KvtierSpec):
@@ -135,9 +141,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._handler: _CascadeHandler | None = None
         self.remote_tier = remote
         self.workers: dict[str, TransferWorker] = {}
-        # on the CPU platform vLLM's OpenMP threads hold every core: torch copies on one
-        # thread each, from `cpu_copy_threads` threads (see HostSlotHandler)
-        threads = None if self.kv.is_cuda else 1
+        # on the CPU platform: `cpu_copy_threads` copying threads (see HostSlotHandler)
+        threads = self.kv.torch_threads
         copiers = 1 if self.kv.is_cuda else config.cpu_copy_threads
         try:
             if config.disk_path is not None:

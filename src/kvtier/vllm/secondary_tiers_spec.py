@@ -78,7 +78,7 @@ class RegionHandler:
 class KvtierRegionWorker(OffloadingWorker):
     """vLLM's `OffloadingWorker` over the shared region, on kvtier's transfer worker."""
 
-    def __init__(self, kv: DeviceKV, region: SharedOffloadRegion) -> None:
+    def __init__(self, kv: CanonicalDeviceKV, region: SharedOffloadRegion) -> None:
         self._region = region
         rows: list[torch.Tensor] = []
         for cache in kv.caches:
@@ -86,10 +86,7 @@ class KvtierRegionWorker(OffloadingWorker):
             view = region.create_next_worker_view(page).view(torch.uint8)
             halves = view.view(region.num_chunks, 2, page // 2)
             rows += [halves[:, 0], halves[:, 1]]
-        # on the CPU platform vLLM's OpenMP threads hold every core: copy on one thread
-        self._worker = TransferWorker(
-            RegionHandler(kv, rows), torch_threads=None if kv.is_cuda else 1
-        )
+        self._worker = TransferWorker(RegionHandler(kv, rows), torch_threads=kv.torch_threads)
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
