@@ -147,6 +147,31 @@ def test_pinned_blocks_are_parked_and_come_back_when_released() -> None:
     assert out is not None and out.block_hashes_evicted in (h(4), h(3))
 
 
+def test_a_parked_block_that_is_touched_climbs_and_leaves_the_parking() -> None:
+    m = CPUOffloadingManager(16, 4, "reuse")
+    request(m, 1, 2, 3, 4)  # NEW, least recent first: 4, 3, 2, 1
+    m.prepare_load(h(4))  # pinned at the head: the next eviction parks it
+    out = m.prepare_store(h(5))
+    assert out is not None and out.block_hashes_evicted == h(3)
+    m.complete_store(out.block_hashes_to_store)
+    m.touch(h(4))  # still pinned, used: one class up, now the most recent TWICE
+    assert classes(m)[TWICE] == h(4)
+    m.complete_load(h(4))
+    out = m.prepare_store(h(6, 7))
+    assert out is not None and out.block_hashes_evicted == h(2, 1)  # not 4: it was used
+
+
+def test_a_touch_of_a_block_whose_store_is_in_flight_is_no_use() -> None:
+    m = CPUOffloadingManager(16, 4, "reuse")
+    out = m.prepare_store(h(1, 2))
+    assert out is not None
+    m.touch(h(1, 2))  # vLLM touches a request's blocks while their stores run
+    assert classes(m)[NEW] == h(2, 1)
+    m.complete_store(out.block_hashes_to_store)
+    m.touch(h(1, 2))
+    assert classes(m)[TWICE] == h(2, 1)
+
+
 def test_last_blocks_go_cold_only_when_the_sample_says_they_are_rarely_reused() -> None:
     policy = ReuseCachePolicy(3200)  # shadows of 100 blocks
     m = PolicyOffloadingManager(CPUOffloadingManager(16, 3200).backend, policy)

@@ -5,23 +5,30 @@ the real cache and once per shadow cache of its set dueling, so what a shadow
 measures is exactly what the cache would do.
 
 Each class (cold, first seen, seen twice, seen more, first seen in a request that
-extends a known chain) is one `RecencyList`; a block's score is the clock at its
-last use plus its class's bonus (a multiple of the capacity, in blocks stored),
-and eviction takes the lowest score among the classes' least recent evictable
-blocks: a k-way merge of k recency lists, so an eviction costs O(k) per victim
-and never a heap. Pinned and in-flight blocks are parked by each list as in LRU
-and ARC, so pinned blocks cost the same here as there.
+extends a known chain) is one ordered map of key -> the clock at its last use; a
+block's score is that clock plus its class's bonus (a multiple of the capacity, in
+blocks stored), and eviction takes the lowest score among the classes' least
+recent blocks: a k-way merge of k recency lists, O(k) per run of victims, never a
+heap.
+
+Speed is the point of the layout: the clock lives in the lists themselves and a
+block's class is the list that holds it, so storing a block costs two map writes
+(index and list) plus a history check, and evicting it two removals plus a history
+write; every per-block step runs as a C-level `map`/`filter`. Blocks an eviction
+finds pinned or in flight are *parked* (set aside with their class and clock) and
+put back at the least recent end of their list by `mark_evictable` once released,
+so pinned blocks are passed over once, not by every eviction.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Sequence, Set
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence, Set
 from itertools import compress, filterfalse, islice, repeat
 
 from kvtier.offload._fast import consume, push_head, ref_cnt
 from kvtier.offload.backend import BlockStatus
-from kvtier.offload.policies.recency import RecencyList, RecencyScan
 from kvtier.types import BlockHash
 
 # Block classes. A block enters as COLD, NEW or NEW_IN_CHAIN (by what its request
@@ -34,18 +41,7 @@ _RETURNING = (NEW, TWICE, MORE, MORE)  # the class of a block stored again, by i
 
 Weights = tuple[float, float, float, float, float]
 _NONE = float("inf")  # the score of an empty list
-
-
-class _Scan(RecencyScan):
-    """A `RecencyScan` that can give back the block it yielded last."""
-
-    __slots__ = ()
-
-    def give_back(self, key: BlockHash) -> None:
-        if key in self._taken_parked:
-            self._taken_parked.discard(key)  # its heap entry is restored on commit
-        else:
-            self._taken.pop()
+_Run = tuple[int, list[BlockHash], list[int]]  # (class, keys, clocks) popped from a list head
 
 
 class ScoredLists:
@@ -60,12 +56,9 @@ class ScoredLists:
 
     def __init__(self, capacity: int, weights: Weights, history_factor: float) -> None:
         self.capacity = capacity
-        self.blocks: dict[BlockHash, BlockStatus] = {}
-        self.cls: dict[BlockHash, int] = {}
-        self.time: dict[BlockHash, int] = {}
-        self.lists = [RecencyList() for _ in range(NUM_CLASSES)]
-        self._orders = [lst.order for lst in self.lists]  # the same dicts, for eviction
-        self._parked = [lst.parked for lst in self.lists]  # the same dicts, for `any`
+        self.blocks: dict[BlockHash, BlockStatus] = {}  # every stored block, parked or not
+        self.orders: list[OrderedDict[BlockHash, int]] = [OrderedDict() for _ in range(5)]
+        self.parked: dict[BlockHash, tuple[int, int]] = {}  # key -> (class, clock)
         self._hist_new: dict[BlockHash, int] = {}
         self._hist_old: dict[BlockHash, int] = {}
         self._generation = max(1, int(history_factor * capacity) // 2)
@@ -80,49 +73,64 @@ class ScoredLists:
     def seen(self, key: BlockHash) -> bool:
         return key in self.blocks or key in self._hist_new or key in self._hist_old
 
+    def class_of(self, key: BlockHash) -> int | None:
+        for c, order in enumerate(self.orders):
+            if key in order:
+                return c
+        parked = self.parked.get(key)
+        return None if parked is None else parked[0]
+
+    # --- uses ---------------------------------------------------------------
+
     def touch(self, keys: Sequence[BlockHash]) -> int:
-        """Record a use of the present `keys` (last one first); returns how many were present."""
+        """Record a use of the present `keys` (last one first; a key listed twice climbs
+        once); returns how many listings were present."""
         blocks = self.blocks
         present = list(filter(blocks.__contains__, reversed(keys)))
-        if not present:
+        hits = len(present)
+        if not hits:
             return 0
+        if hits > 1 and len(set(present)) != hits:
+            present = list(dict.fromkeys(present))
         self._refresh = present
-        self.time.update(zip(present, repeat(self.clock)))
-        lists = self.lists
-        if any(self._parked):
-            self._promote(present, lambda c, key: lists[c].move_to_end(key), lists)
-            return len(present)
-        more = lists[MORE].order
+        if self.parked or min(map(ref_cnt, map(blocks.__getitem__, present))) < 0:
+            self._touch_one_by_one(present)
+            return hits
+        clock = self.clock
+        cold, new, twice, more, chain = self.orders
         # blocks already in MORE only move; the others climb a class (promoted first,
         # so a MORE parent touched with a climbing child still ends the more recent)
-        self._promote(list(filterfalse(more.__contains__, present)), None, lists)
-        consume(map(more.move_to_end, filter(more.__contains__, present)))
-        return len(present)
+        stay = list(filter(more.__contains__, present))
+        if len(stay) < len(present):
+            climb = list(filterfalse(more.__contains__, present))
+            up = list(filter(twice.__contains__, climb))
+            rest = list(filterfalse(twice.__contains__, climb)) if len(up) < len(climb) else []
+            if up:
+                consume(map(twice.pop, up))
+                more.update(zip(up, repeat(clock)))
+            if rest:
+                for order in (new, chain, cold):  # each key is in exactly one of them
+                    if order:
+                        consume(map(order.pop, rest, repeat(0)))
+                twice.update(zip(rest, repeat(clock)))
+        if stay:
+            consume(map(more.move_to_end, stay))
+            more.update(zip(stay, repeat(clock)))
+        return hits
 
-    def _promote(
-        self,
-        keys: list[BlockHash],
-        move: Callable[[int, BlockHash], object] | None,
-        lists: list[RecencyList],
-    ) -> None:
-        """Move each key up a class (MORE stays), most recent last; `move` for parked lists."""
-        blocks, cls = self.blocks, self.cls
-        for key in keys:
-            c = cls[key]
-            block = blocks[key]
-            new = c if block.ref_cnt < 0 else _PROMOTED[c]  # a store in flight: no new use
-            if new == c:
-                if move is None:
-                    lists[c].order.move_to_end(key)
-                else:
-                    move(c, key)
+    def _touch_one_by_one(self, present: list[BlockHash]) -> None:
+        """The general case: parked blocks come back, a store in flight is no new use."""
+        orders, parked, blocks, clock = self.orders, self.parked, self.blocks, self.clock
+        for key in present:
+            c = self.class_of(key)
+            if c is None:  # pragma: no cover - every stored block is in a list or parked
+                raise KeyError(f"block {key!r} is stored but in no class")
+            if key in parked:
+                del parked[key]
             else:
-                if move is None:
-                    del lists[c].order[key]
-                else:
-                    lists[c].pop(key)
-                lists[new].order[key] = block
-                cls[key] = new
+                del orders[c][key]
+            new = c if blocks[key].ref_cnt < 0 else _PROMOTED[c]
+            orders[new][key] = clock
 
     def insert(
         self,
@@ -137,50 +145,46 @@ class ScoredLists:
         the last key, if first seen, is COLD (a request's last block, when those
         are seldom reused).
         """
-        index, cls, lists = self.blocks, self.cls, self.lists
-        index.update(zip(keys, blocks, strict=True))
-        self.time.update(zip(keys, repeat(self.clock)))
+        self.blocks.update(zip(keys, blocks, strict=True))
+        orders = self.orders
+        order = orders[first_seen]
+        clock = self.clock
         # all as first seen (C-level), then the few the history knows move up
-        order = lists[first_seen].order
-        order.update(zip(reversed(keys), reversed(blocks), strict=True))
-        cls.update(zip(keys, repeat(first_seen)))
+        order.update(zip(reversed(keys), repeat(clock)))
         new, old = self._hist_new, self._hist_old
-        if new or old:
+        if not (new.keys().isdisjoint(keys) and old.keys().isdisjoint(keys)):
             uses = list(map(new.pop, keys, map(old.pop, keys, repeat(0))))
-            if any(uses):
-                returning = zip(reversed(keys), reversed(uses), strict=True)
-                for key, used in compress(returning, reversed(uses)):
-                    c = _RETURNING[used]
-                    lists[c].order[key] = order.pop(key)
-                    cls[key] = c
-                # the request's hits (its parents, in TWICE or MORE like these) were
-                # touched before: make them more recent again, so a parent outlives
-                # its children (first-seen and cold blocks never share their lists)
-                self._refresh_hits()
-        if cold_last and keys and cls[keys[-1]] == first_seen:
+            returning = zip(reversed(keys), reversed(uses), strict=True)
+            for key, used in compress(returning, reversed(uses)):
+                del order[key]
+                orders[_RETURNING[used]][key] = clock
+            # the request's hits (its parents, in TWICE or MORE like these) were
+            # touched before: make them more recent again, so a parent outlives
+            # its children (first-seen and cold blocks never share their lists)
+            self._refresh_hits()
+        if cold_last and keys and keys[-1] in order:
             cold = keys[-1]
-            lists[COLD].order[cold] = order.pop(cold)
-            cls[cold] = COLD
-        self.clock += len(keys)
+            del order[cold]
+            orders[COLD][cold] = clock
+        self.clock = clock + len(keys)
         self._refresh = []
 
     def _refresh_hits(self) -> None:
-        cls, lists = self.cls, self.lists
         for key in self._refresh:
-            c = cls.get(key)
-            if c is not None:
-                lst = lists[c]
-                if key in lst.order:
-                    lst.order.move_to_end(key)
-                else:
-                    lst.move_to_end(key)
+            for order in self.orders:
+                if key in order:
+                    order.move_to_end(key)
+                    break
 
     def remove(self, key: BlockHash) -> BlockStatus | None:
         block = self.blocks.pop(key, None)
-        if block is not None:
-            self.lists[self.cls.pop(key)].pop(key)
-            del self.time[key]
+        if block is not None and self.parked.pop(key, None) is None:
+            for order in self.orders:
+                if order.pop(key, None) is not None:
+                    break
         return block
+
+    # --- eviction -----------------------------------------------------------
 
     def evict(
         self, n: int, protected: Set[BlockHash]
@@ -188,121 +192,123 @@ class ScoredLists:
         """The n lowest-scored evictable, unprotected blocks, removed; or None, no change."""
         if n <= 0:
             return [], []
-        if len(self.blocks) < n:
+        if len(self.blocks) - len(self.parked) < n:
             return None
+        runs: list[_Run] = []
         keys: list[BlockHash] = []
         victims: list[BlockStatus] = []
-        classes: list[int] = []
-        if not any(self._parked) or not any(map(RecencyList.has_evictable_parked, self.lists)):
-            self._pop_heads(n, protected, keys, victims, classes)
-        if len(keys) < n and not self._scan(n, protected, keys, victims, classes):
-            for c, key, block in zip(
-                reversed(classes), reversed(keys), reversed(victims), strict=True
-            ):
-                push_head(self.lists[c].order, [key], [block])  # undo, in place
+        self._pop_heads(n, protected, runs, keys, victims)
+        if len(keys) < n and not self._scan(n - len(keys), protected, runs, keys, victims):
+            self.blocks.update(zip(keys, victims, strict=True))  # undo, in place
+            for c, run, clocks in reversed(runs):
+                push_head(self.orders[c], run, clocks)
             return None
-        self._forget(keys, classes)
+        hist = self._hist_new
+        for c, run, _ in runs:
+            hist.update(zip(run, repeat(_USES[c])))
+        if len(hist) >= self._generation:
+            self._hist_old, self._hist_new = hist, {}
         return keys, victims
 
     def _pop_heads(
         self,
         n: int,
         protected: Set[BlockHash],
+        runs: list[_Run],
         keys: list[BlockHash],
         victims: list[BlockStatus],
-        classes: list[int],
     ) -> None:
         """The usual case: victims from the lists' heads, a run from one list at a time.
 
-        Times only grow along a list, so the lowest-scored list keeps the lowest
+        Clocks only grow along a list, so the lowest-scored list keeps the lowest
         score while its next block scores no more than the runner-up's head. Stops
         early at a pinned, in-flight or protected head (then `_scan` goes on).
         """
-        orders = self._orders
-        time, bonus = self.time, self.bonus
+        orders, bonus, blocks = self.orders, self.bonus, self.blocks
         scores = [
-            time[next(iter(o))] + b if o else _NONE for o, b in zip(orders, bonus, strict=True)
+            next(iter(o.values())) + b if o else _NONE for o, b in zip(orders, bonus, strict=True)
         ]
         while len(keys) < n:
             ranked = sorted(scores)
             if ranked[0] == _NONE:
                 return
             best = scores.index(ranked[0])  # the first class of equal scores, as in _scan
-            order, bonus_best, b = orders[best], bonus[best], n - len(keys)
-            run = list(islice(order, b))
-            if ranked[1] != _NONE and time[run[-1]] + bonus_best > ranked[1]:
-                # times only grow along a list: keep the blocks scoring <= the runner-up
-                cut = bisect_right(run, ranked[1] - bonus_best, key=time.__getitem__)
-                del run[max(cut, 1) :]
-            blocks = list(map(order.pop, run))
-            if any(map(ref_cnt, blocks)) or not protected.isdisjoint(run):
+            order, bonus_best = orders[best], bonus[best]
+            run = list(islice(order, n - len(keys)))
+            if ranked[1] != _NONE and order[run[-1]] + bonus_best > ranked[1]:
+                # keep the blocks scoring <= the runner-up
+                clocks = list(islice(order.values(), len(run)))
+                del run[max(bisect_right(clocks, ranked[1] - bonus_best), 1) :]
+            got = list(map(blocks.pop, run))
+            if any(map(ref_cnt, got)) or not protected.isdisjoint(run):
                 ok = 0
-                while blocks[ok].ref_cnt == 0 and run[ok] not in protected:
+                while got[ok].ref_cnt == 0 and run[ok] not in protected:
                     ok += 1
-                push_head(order, run[ok:], blocks[ok:])
-                keys += run[:ok]
-                victims += blocks[:ok]
-                classes += [best] * ok
+                blocks.update(zip(run[ok:], got[ok:], strict=True))  # back, for the scan
+                del run[ok:], got[ok:]
+                if run:
+                    runs.append((best, run, list(map(order.pop, run))))
+                    keys += run
+                    victims += got
                 return
+            runs.append((best, run, list(map(order.pop, run))))
             keys += run
-            victims += blocks
-            classes += [best] * len(run)
-            scores[best] = time[next(iter(order))] + bonus_best if order else _NONE
+            victims += got
+            scores[best] = next(iter(order.values())) + bonus_best if order else _NONE
 
     def _scan(
         self,
         n: int,
         protected: Set[BlockHash],
+        runs: list[_Run],
         keys: list[BlockHash],
         victims: list[BlockStatus],
-        classes: list[int],
     ) -> bool:
-        """The general case: merge the lists' scans (which park what they pass over)."""
-        scans = [_Scan(lst, protected) if len(lst) else None for lst in self.lists]
-        heads = [None if s is None else s.next() for s in scans]
-        start = len(keys)
-        time, bonus = self.time, self.bonus
-        while len(keys) < n:
+        """The general case: merge the lists from their heads, passing over pinned,
+        in-flight and protected blocks; those pinned or in flight are parked."""
+        orders, bonus, blocks = self.orders, self.bonus, self.blocks
+        items: list[Iterator[tuple[BlockHash, int]]] = [iter(o.items()) for o in orders]
+        heads = [next(it, None) for it in items]
+        found: list[tuple[int, BlockHash, int]] = []
+        passed: list[tuple[int, BlockHash]] = []
+        while len(found) < n:
             best = -1
             best_score = 0.0
             for c, head in enumerate(heads):
-                if head is not None:
-                    score = time[head[0]] + bonus[c]
-                    if best < 0 or score < best_score:
-                        best, best_score = c, score
+                if head is not None and (best < 0 or head[1] + bonus[c] < best_score):
+                    best, best_score = c, head[1] + bonus[c]
             if best < 0:
-                for scan in scans:
-                    if scan is not None:
-                        scan.abort()
-                del keys[start:], victims[start:], classes[start:]  # only those popped before
                 return False
-            key, block = heads[best]  # type: ignore[misc]
+            key, clock = heads[best]  # type: ignore[misc]
+            heads[best] = next(items[best], None)
+            if blocks[key].ref_cnt != 0:
+                passed.append((best, key))
+            elif key not in protected:
+                found.append((best, key, clock))
+        parked = self.parked
+        for c, key in passed:
+            parked[key] = (c, orders[c].pop(key))
+        for c, key, clock in found:
+            del orders[c][key]
+            runs.append((c, [key], [clock]))
             keys.append(key)
-            victims.append(block)
-            classes.append(best)
-            heads[best] = scans[best].next()  # type: ignore[union-attr]
-        for scan, head in zip(scans, heads, strict=True):
-            if scan is not None:
-                if head is not None:
-                    scan.give_back(head[0])
-                scan.commit()
+            victims.append(blocks.pop(key))
         return True
 
-    def _forget(self, keys: list[BlockHash], classes: list[int]) -> None:
-        """Drop victims from the indexes and remember their uses in the history."""
-        consume(map(self.blocks.__delitem__, keys))
-        consume(map(self.cls.__delitem__, keys))
-        consume(map(self.time.__delitem__, keys))
-        new = self._hist_new
-        new.update(zip(keys, map(_USES.__getitem__, classes), strict=True))
-        if len(new) >= self._generation:
-            self._hist_old, self._hist_new = new, {}
-
     def mark_evictable(self, keys: Sequence[BlockHash]) -> None:
-        for lst in self.lists:
-            if lst.parked:
-                lst.mark_evictable(keys)
+        """Parked blocks among `keys` that are released go back to the least recent end."""
+        parked = self.parked
+        if not parked:
+            return
+        blocks, orders = self.blocks, self.orders
+        for key in list(filter(parked.__contains__, keys)):
+            if blocks[key].ref_cnt == 0:
+                c, clock = parked.pop(key)
+                push_head(orders[c], [key], [clock])
 
     def keys(self) -> list[list[BlockHash]]:
-        """Each class's keys, least recent first (for tests)."""
-        return [lst.keys() for lst in self.lists]
+        """Each class's keys, least recent first, parked ones first (for tests)."""
+        out = [list(order) for order in self.orders]
+        for key, (c, _) in self.parked.items():
+            out[c].insert(0, key)
+        return out
