@@ -308,7 +308,7 @@ class ScoredLists:
 
     def keys(self) -> list[list[BlockHash]]:
         """Each class's keys, least recent first, parked ones first (for tests)."""
-        out = [list(order) for order in self.orders]
+        out: list[list[BlockHash]] = [[] for _ in self.orders]
         for key, (c, _) in self.parked.items():
-            out[c].insert(0, key)
-        return out
+            out[c].append(key)
+        return [parked + list(order) for parked, order in zip(out, self.orders, strict=True)]
