@@ -171,18 +171,15 @@ class ScoredLists:
 
     def _refresh_hits(self) -> None:
         for key in self._refresh:
-            for order in self.orders:
-                if key in order:
-                    order.move_to_end(key)
-                    break
+            c = self.class_of(key)
+            if c is not None and key not in self.parked:
+                self.orders[c].move_to_end(key)
 
     def remove(self, key: BlockHash) -> BlockStatus | None:
-        block = self.blocks.pop(key, None)
-        if block is not None and self.parked.pop(key, None) is None:
-            for order in self.orders:
-                if order.pop(key, None) is not None:
-                    break
-        return block
+        c = self.class_of(key)
+        if c is not None and self.parked.pop(key, None) is None:
+            del self.orders[c][key]
+        return self.blocks.pop(key, None)
 
     # --- eviction -----------------------------------------------------------
 
