@@ -9,7 +9,10 @@ extends a known chain) is one ordered map of key -> the clock at its last use; a
 block's score is that clock plus its class's bonus (a multiple of the capacity, in
 blocks stored), and eviction takes the lowest score among the classes' least
 recent blocks: a k-way merge of k recency lists, O(k) per run of victims, never a
-heap.
+heap. The blocks of one call share a clock tick, split in fractions in the order
+they are used (stored ones deepest first, just below the request's hits), so with
+equal bonuses the merge is exactly LRU with leaf-first eviction: a request's root
+outlives its children whatever classes they are in.
 
 Speed is the point of the layout: the clock lives in the lists themselves and a
 block's class is the list that holds it, so storing a block costs two map writes
@@ -25,7 +28,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence, Set
-from itertools import compress, filterfalse, islice, repeat
+from itertools import compress, count, filterfalse, islice, repeat
 
 from kvtier.offload._fast import consume, push_head, ref_cnt
 from kvtier.offload.backend import BlockStatus
@@ -41,7 +44,7 @@ _RETURNING = (NEW, TWICE, MORE, MORE)  # the class of a block stored again, by i
 
 Weights = tuple[float, float, float, float, float]
 _NONE = float("inf")  # the score of an empty list
-_Run = tuple[int, list[BlockHash], list[int]]  # (class, keys, clocks) popped from a list head
+_Run = tuple[int, list[BlockHash], list[float]]  # (class, keys, clocks) popped from a list head
 
 
 class ScoredLists:
@@ -57,8 +60,8 @@ class ScoredLists:
     def __init__(self, capacity: int, weights: Weights, history_factor: float) -> None:
         self.capacity = capacity
         self.blocks: dict[BlockHash, BlockStatus] = {}  # every stored block, parked or not
-        self.orders: list[OrderedDict[BlockHash, int]] = [OrderedDict() for _ in range(5)]
-        self.parked: dict[BlockHash, tuple[int, int]] = {}  # key -> (class, clock)
+        self.orders: list[OrderedDict[BlockHash, float]] = [OrderedDict() for _ in range(5)]
+        self.parked: dict[BlockHash, tuple[int, float]] = {}  # key -> (class, clock)
         self._hist_new: dict[BlockHash, int] = {}
         self._hist_old: dict[BlockHash, int] = {}
         self._generation = max(1, int(history_factor * capacity) // 2)
@@ -96,31 +99,28 @@ class ScoredLists:
         if self.parked or min(map(ref_cnt, map(blocks.__getitem__, present))) < 0:
             self._touch_one_by_one(present)
             return hits
-        clock = self.clock
+        ticks = dict(zip(present, count(self.clock, 1.0 / (len(present) + 1))))
+        tick = ticks.__getitem__
         cold, new, twice, more, chain = self.orders
-        # blocks already in MORE only move; the others climb a class (promoted first,
-        # so a MORE parent touched with a climbing child still ends the more recent)
-        stay = list(filter(more.__contains__, present))
-        if len(stay) < len(present):
-            climb = list(filterfalse(more.__contains__, present))
-            up = list(filter(twice.__contains__, climb))
-            rest = list(filterfalse(twice.__contains__, climb)) if len(up) < len(climb) else []
-            if up:
-                consume(map(twice.pop, up))
-                more.update(zip(up, repeat(clock)))
-            if rest:
-                for order in (new, chain, cold):  # each key is in exactly one of them
-                    if order:
-                        consume(map(order.pop, rest, repeat(0)))
-                twice.update(zip(rest, repeat(clock)))
-        if stay:
-            consume(map(more.move_to_end, stay))
-            more.update(zip(stay, repeat(clock)))
+        # every key climbs a class (MORE stays) and each list takes its keys in the
+        # order touched, with increasing ticks: the head of the request ends most recent
+        rest = list(filterfalse(more.__contains__, filterfalse(twice.__contains__, present)))
+        if len(rest) < len(present):  # to MORE: those in TWICE or MORE
+            to_more = list(filterfalse(set(rest).__contains__, present)) if rest else present
+            consume(map(twice.pop, to_more, repeat(0)))
+            consume(map(more.pop, to_more, repeat(0)))
+            more.update(zip(to_more, map(tick, to_more), strict=True))
+        if rest:  # to TWICE: the others
+            for order in (new, chain, cold):  # each key is in exactly one of them
+                if order:
+                    consume(map(order.pop, rest, repeat(0)))
+            twice.update(zip(rest, map(tick, rest), strict=True))
         return hits
 
     def _touch_one_by_one(self, present: list[BlockHash]) -> None:
         """The general case: parked blocks come back, a store in flight is no new use."""
-        orders, parked, blocks, clock = self.orders, self.parked, self.blocks, self.clock
+        orders, parked, blocks = self.orders, self.parked, self.blocks
+        ticks = dict(zip(present, count(self.clock, 1.0 / (len(present) + 1))))
         for key in present:
             c = self.class_of(key)
             if c is None:  # pragma: no cover - every stored block is in a list or parked
@@ -130,7 +130,7 @@ class ScoredLists:
             else:
                 del orders[c][key]
             new = c if blocks[key].ref_cnt < 0 else _PROMOTED[c]
-            orders[new][key] = clock
+            orders[new][key] = ticks[key]
 
     def insert(
         self,
@@ -150,22 +150,21 @@ class ScoredLists:
         order = orders[first_seen]
         clock = self.clock
         # all as first seen (C-level), then the few the history knows move up
-        order.update(zip(reversed(keys), repeat(clock)))
+        step = 1.0 / (len(keys) + 1)
+        order.update(zip(reversed(keys), count(clock - 1 + step, step)))
         new, old = self._hist_new, self._hist_old
         if not (new.keys().isdisjoint(keys) and old.keys().isdisjoint(keys)):
             uses = list(map(new.pop, keys, map(old.pop, keys, repeat(0))))
             returning = zip(reversed(keys), reversed(uses), strict=True)
             for key, used in compress(returning, reversed(uses)):
-                del order[key]
-                orders[_RETURNING[used]][key] = clock
+                orders[_RETURNING[used]][key] = order.pop(key)
             # the request's hits (its parents, in TWICE or MORE like these) were
             # touched before: make them more recent again, so a parent outlives
             # its children (first-seen and cold blocks never share their lists)
             self._refresh_hits()
         if cold_last and keys and keys[-1] in order:
             cold = keys[-1]
-            del order[cold]
-            orders[COLD][cold] = clock
+            orders[COLD][cold] = order.pop(cold)
         self.clock = clock + len(keys)
         self._refresh = []
 
@@ -264,9 +263,9 @@ class ScoredLists:
         """The general case: merge the lists from their heads, passing over pinned,
         in-flight and protected blocks; those pinned or in flight are parked."""
         orders, bonus, blocks = self.orders, self.bonus, self.blocks
-        items: list[Iterator[tuple[BlockHash, int]]] = [iter(o.items()) for o in orders]
+        items: list[Iterator[tuple[BlockHash, float]]] = [iter(o.items()) for o in orders]
         heads = [next(it, None) for it in items]
-        found: list[tuple[int, BlockHash, int]] = []
+        found: list[tuple[int, BlockHash, float]] = []
         passed: list[tuple[int, BlockHash]] = []
         while len(found) < n:
             best = -1
