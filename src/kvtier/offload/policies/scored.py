@@ -99,22 +99,33 @@ class ScoredLists:
         if self.parked or min(map(ref_cnt, map(blocks.__getitem__, present))) < 0:
             self._touch_one_by_one(present)
             return hits
-        ticks = dict(zip(present, count(self.clock, 1.0 / (len(present) + 1))))
-        tick = ticks.__getitem__
+        ticks = count(self.clock, 1.0 / (len(present) + 1))
         cold, new, twice, more, chain = self.orders
         # every key climbs a class (MORE stays) and each list takes its keys in the
         # order touched, with increasing ticks: the head of the request ends most recent
-        rest = list(filterfalse(more.__contains__, filterfalse(twice.__contains__, present)))
-        if len(rest) < len(present):  # to MORE: those in TWICE or MORE
-            to_more = list(filterfalse(set(rest).__contains__, present)) if rest else present
-            consume(map(twice.pop, to_more, repeat(0)))
-            consume(map(more.pop, to_more, repeat(0)))
-            more.update(zip(to_more, map(tick, to_more), strict=True))
-        if rest:  # to TWICE: the others
-            for order in (new, chain, cold):  # each key is in exactly one of them
-                if order:
-                    consume(map(order.pop, rest, repeat(0)))
-            twice.update(zip(rest, map(tick, rest), strict=True))
+        in_more = list(filter(more.__contains__, present))
+        if len(in_more) == len(present):  # the usual hit on a hot prefix: all in MORE
+            consume(map(more.move_to_end, present))
+            more.update(zip(present, ticks, strict=False))
+            return hits
+        rest = list(filterfalse(twice.__contains__, filterfalse(more.__contains__, present)))
+        if not rest:  # to MORE only, some from TWICE
+            consume(map(twice.pop, present, repeat(0)))
+            consume(map(more.pop, in_more))
+            more.update(zip(present, ticks, strict=False))
+            return hits
+        for order in (new, chain, cold):  # each of `rest` is in exactly one of them
+            if order:
+                consume(map(order.pop, rest, repeat(0)))
+        if len(rest) == len(present):  # to TWICE only
+            twice.update(zip(present, ticks, strict=False))
+            return hits
+        tick = dict(zip(present, ticks, strict=False)).__getitem__  # both: each key keeps its place
+        to_more = list(filterfalse(set(rest).__contains__, present))
+        consume(map(twice.pop, to_more, repeat(0)))
+        consume(map(more.pop, in_more))
+        more.update(zip(to_more, map(tick, to_more), strict=True))
+        twice.update(zip(rest, map(tick, rest), strict=True))
         return hits
 
     def _touch_one_by_one(self, present: list[BlockHash]) -> None:
