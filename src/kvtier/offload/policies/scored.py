@@ -11,8 +11,10 @@ blocks stored), and eviction takes the lowest score among the classes' least
 recent blocks: a k-way merge of k recency lists, O(k) per run of victims, never a
 heap. The blocks of one call share a clock tick, split in fractions in the order
 they are used (stored ones deepest first, just below the request's hits), so with
-equal bonuses the merge is exactly LRU with leaf-first eviction: a request's root
-outlives its children whatever classes they are in.
+equal bonuses the merge is LRU with leaf-first eviction: a request's root outlives
+its children whatever classes they are in. (The clock counts blocks stored, so two
+touches with no store between them share a tick: across classes their order is
+then approximate, within a class it is exact.)
 
 Speed is the point of the layout: the clock lives in the lists themselves and a
 block's class is the list that holds it, so storing a block costs two map writes
