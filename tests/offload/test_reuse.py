@@ -216,9 +216,9 @@ FRACTIONS = (0.01, 0.05, 0.10, 0.25)
 # prefix hit blocks on ../shared/traces/conversation_trace.jsonl (288,500 references):
 # lru, reuse; and the targets for reuse's prefix hit rate
 GOLDEN_TRACE = {
-    0.01: (15080, 31018),
-    0.05: (56447, 65332),
-    0.10: (80419, 85667),
+    0.01: (15080, 31008),
+    0.05: (56447, 65010),
+    0.10: (80419, 85338),
     0.25: (101978, 101979),
 }
 TARGETS = {0.01: 0.105, 0.05: 0.225}

@@ -7,11 +7,17 @@ Each block is scored by the clock at its last use plus a bonus for its class
 request that extends a chain already known. No single set of bonuses wins at
 every capacity and on every workload, so four settings (below) run side by side
 on small shadow caches that see a 1/16 sample of the hashes (fed in batches of
-up to BATCH requests, one call per shadow, while a batch stays under a quarter
-of a shadow's capacity so that its hits are not lost), and the cache follows
-whichever had the most decayed hits lately: set dueling. The first setting is LRU with leaf-first
-eviction, and another is followed only once it leads that one by LEAD hits, so
-when nothing else clearly pays the policy is LRU.
+up to BATCH requests, one call per shadow, while a batch stays under a sixteenth
+of a shadow's capacity), and the cache follows whichever had the most decayed
+hits lately: set dueling. The first setting is LRU with leaf-first eviction, and
+another is followed only once it leads that one by LEAD hits, so when nothing
+else clearly pays the policy is LRU.
+
+A batch is not the requests one by one: a block stored and reused inside it is
+no hit, and a block a setting would evict at once outlives the batch, which
+flatters the settings that evict first-seen blocks at once. Batches short
+against the shadow bound that error: at a quarter of its capacity, replays of
+generated chats fell up to 1.3% below LRU; at a sixteenth, 0.3% at most.
 
 Signals taken from the calls an engine already makes, no future knowledge:
 - `touch(keys)` lists a request's blocks in order: its first two keys tell
@@ -59,7 +65,7 @@ SAMPLE_MASK = 15  # a hash is in the shadows' sample when its last byte & 15 == 
 _SAMPLED = frozenset(b for b in range(256) if not b & SAMPLE_MASK)  # last bytes
 _LAST_BYTE = itemgetter(-1)
 BATCH = 32  # requests whose samples the shadows take in one go, at most
-BATCH_SHARE = 4  # ... and at most a 1/BATCH_SHARE of a shadow's capacity in keys
+BATCH_SHARE = 16  # ... and at most a 1/BATCH_SHARE of a shadow's capacity in keys
 LEAD = 3.0  # decayed shadow hits a setting must lead the LRU setting by to be followed
 DECAY = 0.999  # per request: the duel remembers about the last thousand requests
 COLD_RATIO = 4.0  # last blocks go COLD when reused this many times less often
