@@ -98,10 +98,10 @@ class ScoredLists:
         if hits > 1 and len(set(present)) != hits:
             present = list(dict.fromkeys(present))
         self._refresh = present
-        if self.parked or min(map(ref_cnt, map(blocks.__getitem__, present))) < 0:
-            self._touch_one_by_one(present)
-            return hits
         ticks = count(self.clock, 1.0 / (len(present) + 1))
+        if self.parked or min(map(ref_cnt, map(blocks.__getitem__, present))) < 0:
+            self._touch_one_by_one(present, ticks)
+            return hits
         cold, new, twice, more, chain = self.orders
         # every key climbs a class (MORE stays) and each list takes its keys in the
         # order touched, with increasing ticks: the head of the request ends most recent
@@ -130,11 +130,10 @@ class ScoredLists:
         twice.update(zip(rest, map(tick, rest), strict=True))
         return hits
 
-    def _touch_one_by_one(self, present: list[BlockHash]) -> None:
+    def _touch_one_by_one(self, present: list[BlockHash], ticks: Iterator[float]) -> None:
         """The general case: parked blocks come back, a store in flight is no new use."""
         orders, parked, blocks = self.orders, self.parked, self.blocks
-        ticks = dict(zip(present, count(self.clock, 1.0 / (len(present) + 1))))
-        for key in present:
+        for key, tick in zip(present, ticks, strict=False):
             c = self.class_of(key)
             if c is None:  # pragma: no cover - every stored block is in a list or parked
                 raise KeyError(f"block {key!r} is stored but in no class")
@@ -143,7 +142,7 @@ class ScoredLists:
             else:
                 del orders[c][key]
             new = c if blocks[key].ref_cnt < 0 else _PROMOTED[c]
-            orders[new][key] = ticks[key]
+            orders[new][key] = tick
 
     def insert(
         self,
@@ -249,20 +248,19 @@ class ScoredLists:
                 clocks = list(islice(order.values(), len(run)))
                 del run[max(bisect_right(clocks, ranked[1] - bonus_best), 1) :]
             got = list(map(blocks.pop, run))
-            if any(map(ref_cnt, got)) or not protected.isdisjoint(run):
+            stop = any(map(ref_cnt, got)) or not protected.isdisjoint(run)
+            if stop:  # keep the evictable prefix, leave the rest to the scan
                 ok = 0
                 while got[ok].ref_cnt == 0 and run[ok] not in protected:
                     ok += 1
-                blocks.update(zip(run[ok:], got[ok:], strict=True))  # back, for the scan
+                blocks.update(zip(run[ok:], got[ok:], strict=True))
                 del run[ok:], got[ok:]
-                if run:
-                    runs.append((best, run, list(map(order.pop, run))))
-                    keys += run
-                    victims += got
+            if run:
+                runs.append((best, run, list(map(order.pop, run))))
+                keys += run
+                victims += got
+            if stop:
                 return
-            runs.append((best, run, list(map(order.pop, run))))
-            keys += run
-            victims += got
             scores[best] = next(iter(order.values())) + bonus_best if order else _NONE
 
     def _scan(
