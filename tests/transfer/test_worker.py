@@ -256,6 +256,36 @@ def test_copies_between_halves_of_pages_move_the_right_rows(row_bytes: int, stri
             assert torch.equal(d, e)
 
 
+def _new_thread_torch_threads() -> int:
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_threads_limiting_torch_at_once_leave_the_default_for_later_threads() -> None:
+    """Copy helpers start together; each must not take another's lowered default for
+    the process's (before the lock, 39 of 50 such rounds left new threads at one)."""
+    before = _new_thread_torch_threads()
+    try:
+        for _ in range(20):
+            barrier = threading.Barrier(8)
+
+            def limit(barrier: threading.Barrier = barrier) -> None:
+                barrier.wait()
+                device.limit_torch_threads(1)
+
+            threads = [threading.Thread(target=limit) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert _new_thread_torch_threads() == before
+    finally:
+        device._in_new_thread(torch._C.set_num_threads, before)
+
+
 def test_a_worker_limits_torch_threads_in_its_own_threads_only() -> None:
     seen: list[int] = []
     before = torch.get_num_threads()

@@ -115,11 +115,26 @@ def limit_torch_threads(n: int) -> None:
     and also a default for threads started later; vLLM's own stay as they are, and a
     short-lived thread puts that default back.
     """
-    default = torch.get_num_threads()
-    torch._C.set_num_threads(n)  # the builtin: vLLM's CPU worker patches torch.set_num_threads
-    restore = threading.Thread(target=torch._C.set_num_threads, args=(default,))
-    restore.start()
-    restore.join()
+    torch.get_num_threads()  # torch sets a thread's count on its first call: let it, first
+    with _TORCH_THREADS_LOCK:
+        default = _in_new_thread(torch.get_num_threads)
+        torch._C.set_num_threads(n)  # the builtin: vLLM's CPU worker patches torch.set_num_threads
+        _in_new_thread(torch._C.set_num_threads, default)
+
+
+# Held while the default is lowered: two threads limiting at once (a handler's copy
+# helpers start together) each read the other's lowered default and put it back, and
+# every thread started after got one torch thread. The default is read from a new
+# thread, since a thread takes the default of the moment of its first torch call.
+_TORCH_THREADS_LOCK = threading.Lock()
+
+
+def _in_new_thread(fn: Any, *args: Any) -> Any:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn(*args)))
+    thread.start()
+    thread.join()
+    return out[0]
 
 
 def float_copy_thread() -> None:
