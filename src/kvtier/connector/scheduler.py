@@ -90,7 +90,12 @@ class OffloadConnector:
         self.offload = offload
         self.store_on: StoreOn = store_on
         self.block_size = gpu.block_size
-        self.counters = ConnectorCounters()
+        self._counters = ConnectorCounters()
+        # The pool's eviction hook (wire it to the pool's `on_evict`): a C-level append,
+        # no Python frame per evicted block; counted and queued at the next admission
+        # or reading of `counters`, in eviction order.
+        self._gpu_evicted: list[BlockHash] = []
+        self.on_gpu_evict: EvictionHook = self._gpu_evicted.append
         self._job_ids = itertools.count()
         self._first_computed: dict[str, int] = {}  # request -> first block its prefill made
         self._loads: dict[int, TransferJob] = {}
@@ -114,24 +119,30 @@ class OffloadConnector:
         num_preallocate_tokens: int = 0,
     ) -> OffloadConnector:
         """An accelerator pool wired to the connector (its eviction hook included)."""
-        hook: list[EvictionHook] = []
         gpu = KVCacheManager(
             block_size,
             num_gpu_blocks,
             max_model_len,
             num_preallocate_tokens=num_preallocate_tokens,
             log_stats=False,
-            on_evict=lambda block_hash: hook[0](block_hash),
         )
         connector = cls(gpu, offload, store_on=store_on)
-        hook.append(connector.on_gpu_evict)
+        gpu.block_pool.on_evict = connector.on_gpu_evict
         return connector
 
-    def on_gpu_evict(self, block_hash: BlockHash) -> None:
-        """The pool's eviction hook: count, and queue the block when storing on eviction."""
-        self.counters.gpu_evictions += 1
+    @property
+    def counters(self) -> ConnectorCounters:
+        if self._gpu_evicted:
+            self._take_gpu_evictions()
+        return self._counters
+
+    def _take_gpu_evictions(self) -> None:
+        """Count the blocks the pool evicted, and queue them when storing on eviction."""
+        evicted = self._gpu_evicted
+        self._counters.gpu_evictions += len(evicted)
         if self.store_on == "evict":
-            self._evicted.append(block_hash)
+            self._evicted.extend(evicted)
+        evicted.clear()
 
     # --- 1. admission ---------------------------------------------------------------
 
@@ -145,13 +156,15 @@ class OffloadConnector:
         before = request.num_computed_tokens
         num_new = request.num_tokens - gpu_tokens
         if self.gpu.allocate_slots(request, num_new, blocks, delay_cache_blocks=ext > 0) is None:
-            self.counters.refused += 1
+            self._counters.refused += 1
             return None
+        if self._gpu_evicted:
+            self._take_gpu_evictions()
         request.num_computed_tokens = before + gpu_tokens + num_new  # the scheduler's part
         load = None
         if ext:
             load = self._plan_load(request, list(hashes[start : start + ext]), start, before)
-        self.counters.admitted += 1
+        self._counters.admitted += 1
         self.offload.touch(hashes)
         self._first_computed[request.request_id] = start + ext
         return Admission(start, ext, load, self._store_evicted())
@@ -210,16 +223,20 @@ class OffloadConnector:
     ) -> TransferJob | None:
         out = self.offload.prepare_store(hashes)
         if out is None:
-            self.counters.store_rejections += 1
+            self._counters.store_rejections += 1
             if request_id is None:
-                self.counters.evicted_blocks_dropped += len(hashes)
+                self._counters.evicted_blocks_dropped += len(hashes)
             return None
         to_store = out.block_hashes_to_store
         if not to_store and not out.block_hashes_evicted:
             return None
         if ids:  # the slots of the hashes actually stored, by their position
-            position = {h: first + i for i, h in enumerate(hashes)}
-            ids = [ids[position[h]] for h in to_store]
+            # the usual case: all of them, each once (a list equals a list only)
+            if to_store == hashes and len(set(to_store)) == len(to_store):
+                ids = ids[first : first + len(hashes)]
+            else:
+                position = {h: first + i for i, h in enumerate(hashes)}
+                ids = [ids[position[h]] for h in to_store]
         job = TransferJob(
             next(self._job_ids),
             "store",
@@ -230,7 +247,7 @@ class OffloadConnector:
             out.block_hashes_evicted,
         )
         self._stores[job.job_id] = job
-        self.counters.stores_planned += len(to_store)
+        self._counters.stores_planned += len(to_store)
         return job
 
     # --- 3. completions -------------------------------------------------------------
@@ -247,7 +264,7 @@ class OffloadConnector:
             raise KeyError(f"load job {job.job_id} is unknown or already finished")
         settle_load(self.offload, stored.block_hashes, ok)
         if not ok:
-            self.counters.failed_loads += 1
+            self._counters.failed_loads += 1
         rid = stored.request_id
         entry = None if rid is None else self._loading.get(rid)
         if rid is None or entry is None or entry[0] != stored.job_id:
@@ -264,7 +281,7 @@ class OffloadConnector:
             raise KeyError(f"store job {job.job_id} is unknown or already finished")
         self.offload.complete_store(job.block_hashes, success=ok)
         if not ok:
-            self.counters.failed_stores += 1
+            self._counters.failed_stores += 1
 
     # --- 4. release -----------------------------------------------------------------
 

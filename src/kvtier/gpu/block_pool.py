@@ -87,6 +87,10 @@ class BlockPool:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._cached
 
+    def contains_many(self, block_hashes: Iterable[BlockHash]) -> list[bool]:
+        """`h in pool` for each hash, in one C-level pass (a replay asks it per block)."""
+        return list(map(self._cached.__contains__, block_hashes))
+
     @property
     def num_cached_hashes(self) -> int:
         """Distinct hashes in the index."""
@@ -148,22 +152,13 @@ class BlockPool:
             first = cast(KVCacheBlock, entry)
             self._cached[block_hash] = {first.block_id: first, block.block_id: block}
 
-    def _after_evict(
-        self,
-        block: KVCacheBlock,
-        block_hash: BlockHash,
-        entry: KVCacheBlock | dict[int, KVCacheBlock],
+    def _restore_duplicates(
+        self, block: KVCacheBlock, block_hash: BlockHash, duplicates: dict[int, KVCacheBlock]
     ) -> None:
-        """Finish an eviction: restore the other copies of a duplicated hash, report it."""
-        if entry is not block:
-            duplicates = cast(dict[int, KVCacheBlock], entry)
-            del duplicates[block.block_id]
-            first = next(iter(duplicates.values()))
-            self._cached[block_hash] = duplicates if len(duplicates) > 1 else first
-        if self.enable_kv_cache_events:
-            self._events.append(BlockRemoved(block_hashes=(block_hash,)))
-        if self.on_evict is not None:
-            self.on_evict(block_hash)
+        """An evicted copy of a duplicated hash: the other copies stay cached."""
+        del duplicates[block.block_id]
+        first = next(iter(duplicates.values()))
+        self._cached[block_hash] = duplicates if len(duplicates) > 1 else first
 
     # --- allocation -------------------------------------------------------------------
 
@@ -176,17 +171,28 @@ class BlockPool:
         return 1.0 - self.free_block_queue.num_free_blocks / self.num_gpu_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop blocks from the free-queue head, evicting their cached hashes; ref count 1."""
+        """Pop blocks from the free-queue head, evicting their cached hashes; ref count 1.
+
+        Each eviction restores the other copies of a duplicated hash, records a
+        `BlockRemoved` (events on), then calls the hook, in that order, block by block.
+        """
         blocks = self.free_block_queue.popleft_n(num_blocks)
         pop = self._cached.pop
-        simple = not self.enable_kv_cache_events and self.on_evict is None
-        for block in blocks:
+        events = self._events if self.enable_kv_cache_events else None
+        hook = self.on_evict
+        for block in blocks:  # one loop, no call per block but the hook (the hot path)
             block_hash = block.block_hash
             if block_hash is not None:  # evict it from the prefix cache
                 block.block_hash = None
                 entry = pop(block_hash)
-                if entry is not block or not simple:
-                    self._after_evict(block, block_hash, entry)
+                if entry is not block:
+                    self._restore_duplicates(
+                        block, block_hash, cast(dict[int, KVCacheBlock], entry)
+                    )
+                if events is not None:
+                    events.append(BlockRemoved(block_hashes=(block_hash,)))
+                if hook is not None:
+                    hook(block_hash)
             block.ref_cnt = 1
         return blocks
 

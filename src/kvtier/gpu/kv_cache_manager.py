@@ -18,7 +18,8 @@ every block as it was.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 from kvtier.gpu.block import KVCacheBlock
 from kvtier.gpu.block_pool import BlockPool, EvictionHook
@@ -32,6 +33,8 @@ from kvtier.gpu.sliding_window import (
 from kvtier.hashing import HashAlgorithm, digest_function, positive_int
 from kvtier.request import Request
 from kvtier.types import BlockHash
+
+_block_id = attrgetter("block_id")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -273,7 +276,7 @@ class KVCacheManager:
         return list(self._blocks_of(request_id))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self._blocks_of(request_id)]
+        return list(map(_block_id, self._blocks_of(request_id)))
 
     def get_num_cached_blocks(self, request_id: str) -> int:
         """How many of the request's leading blocks are registered in the prefix cache."""
@@ -294,6 +297,10 @@ class KVCacheManager:
     def is_cached(self, block_hash: BlockHash) -> bool:
         """Whether some block in the pool holds this hash (in use or evictable)."""
         return block_hash in self.block_pool
+
+    def are_cached(self, block_hashes: Iterable[BlockHash]) -> list[bool]:
+        """`is_cached` of each hash, in one call."""
+        return self.block_pool.contains_many(block_hashes)
 
     def take_events(self) -> list[KVCacheEvent]:
         """Stored / removed / cleared events since the last call, in order."""

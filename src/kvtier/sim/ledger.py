@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from itertools import filterfalse
 
 from kvtier.offload.abstract import OffloadingEvent
 from kvtier.sim.metrics import TierCounters, TierStats
@@ -92,12 +93,14 @@ class Ledger:
 
     # --- what a request got ---------------------------------------------------------
 
-    def present(self, block_hash: BlockHash) -> bool:
-        """In some tier, as far as the replay knows (a shared tier may have lost it)."""
-        for resident in self.resident.values():  # noqa: SIM110 (a loop: the hot path)
-            if block_hash in resident:
-                return True
-        return False
+    def absent(self, block_hashes: list[BlockHash]) -> list[BlockHash]:
+        """Those of the hashes in no tier as far as the replay knows (a shared tier may have
+        lost some), in order; one C-level pass per tier: this runs for every block."""
+        rest = list(block_hashes)
+        for resident in self.resident.values():
+            if resident:
+                rest = list(filterfalse(resident.__contains__, rest))
+        return rest
 
     def served(self, request: int, tiers: Sequence[str], start: int = 0) -> None:
         """Blocks `start, start+1, ...` of `request` reached the engine from `tiers`,

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress, filterfalse
+from operator import not_
 from typing import Protocol
 
 from kvtier.connector.chain import TierChain, settle_load
@@ -71,9 +73,6 @@ class Step(Protocol):
     def finished(self, p: Pending) -> None: ...
 
 
-HELD, ON_DISK, NOWHERE = 0, 1, 2
-
-
 class _Settling:
     """What both fronts do with the tiers' answers: events, stores, lost blocks."""
 
@@ -93,31 +92,27 @@ class _Settling:
                 chain.complete_part(name, part, ok)
         return all(ok for _, ok in results)
 
-    def locate(self, hashes: list[BlockHash], in_gpu: list[bool] | None = None) -> list[int]:
-        """Where each block is now: HELD in memory (accelerator, CPU), ON_DISK only, or
-        NOWHERE the replay can vouch for (the shared tier counts only when it serves)."""
+    def locate(
+        self, hashes: list[BlockHash], in_gpu: list[bool] | None = None
+    ) -> tuple[int, list[BlockHash]]:
+        """Where the blocks are now: how many are held in memory (accelerator, CPU), and
+        which are only on disk; the rest are nowhere the replay can vouch for (the
+        shared tier counts only when it serves). Set operations at C speed: this runs
+        for every block of every request."""
         resident = self.ledger.resident
-        memory = [r for name, r in resident.items() if r and name not in ("disk", "remote")]
-        disk = resident.get("disk", set())
-        where = []
-        for h, cached in zip(hashes, in_gpu or [False] * len(hashes), strict=True):
-            if cached:
-                where.append(HELD)
-                continue
-            for r in memory:  # loops, not any(): this runs for every block of every request
-                if h in r:
-                    where.append(HELD)
-                    break
-            else:
-                where.append(ON_DISK if h in disk else NOWHERE)
-        return where
+        rest = hashes if in_gpu is None else list(compress(hashes, map(not_, in_gpu)))
+        for name, r in resident.items():
+            if r and name not in ("disk", "remote"):
+                rest = list(filterfalse(r.__contains__, rest))
+        disk = resident.get("disk")
+        return len(hashes) - len(rest), list(filter(disk.__contains__, rest)) if disk else []
 
-    def held_beyond(self, hashes: list[BlockHash], where: list[int]) -> int:
-        """Blocks past the prefix that a local tier holds and could serve: those only on
-        disk are read and checked first (with real bytes), so a corrupt file is no hit."""
-        on_disk = [h for h, w in zip(hashes, where, strict=True) if w == ON_DISK]
+    def held_beyond(self, held: int, on_disk: list[BlockHash]) -> int:
+        """Blocks past the prefix that a local tier holds and could serve (`locate`'s
+        answer): those only on disk are read and checked first (with real bytes), so a
+        corrupt file is no hit."""
         bad = self.plane.unreadable(on_disk) if on_disk else set()
-        return where.count(HELD) + len(on_disk) - len(bad)
+        return held + len(on_disk) - len(bad)
 
     def promote(self, spec: LoadStoreSpec, loaded: list[BlockHash], ids: Sequence[int]) -> None:
         """Copy blocks a lower tier served up into the local tier, bytes included (the
@@ -186,7 +181,7 @@ class OffloadStep(_Settling):
         hs = w.block_hashes[index]
         hit = manager.lookup(hs) or 0  # None ("ask again") is a miss for a replay
         beyond = hs[hit:]
-        ledger.any_hits += self.held_beyond(beyond, self.locate(beyond))
+        ledger.any_hits += self.held_beyond(*self.locate(beyond))
         p = Pending(index, hs, 0, loaded_blocks=hit)
         if hit:
             loaded = hs[:hit]
@@ -221,15 +216,14 @@ class OffloadStep(_Settling):
             return
         rest = hs[first:]
         self.plane.compute(range(first, len(hs)), rest)
-        absent = [h for h in rest if not self.ledger.present(h)]
+        absent = self.ledger.absent(rest)
         out = self.stack.manager.prepare_store(rest)
         self.drain()
         if out is None:
             self.refused += 1
             return
         stored = out.block_hashes_to_store
-        taken = set(stored)
-        self.ledger.filtered("cpu", sum(1 for h in absent if h not in taken))
+        self.ledger.filtered("cpu", len(absent) - sum(map(set(stored).__contains__, absent)))
         position = {h: i for i, h in enumerate(hs)}
         ok = self.store(out.store_spec, [position[h] for h in stored], stored)
         if not isinstance(self.stack.manager, TierChain):
@@ -280,11 +274,15 @@ class ConnectorStep(_Settling):
     def admit(self, index: int) -> Pending | None:
         c, ledger, bs = self.connector, self.ledger, self.workload.block_size
         request, hs = self._requests[index], self.workload.block_hashes[index]
-        where = self.locate(hs, list(map(c.gpu.is_cached, hs)))  # before admission moves any
+        in_gpu = c.gpu.are_cached(hs)  # before admission moves any
         adm = c.admit(request)
-        self.drain()
         if adm is None:
+            self.drain()
             return None
+        # What the tiers held before this admission (their events are not drained yet).
+        first = adm.gpu_hit_blocks + adm.offload_hit_blocks
+        where = self.locate(hs[first:], in_gpu[first:])
+        self.drain()
         hashes = self._hashes(request)
         ids = c.gpu.get_block_ids(request.request_id)
         gpu_hit, ext = adm.gpu_hit_blocks, adm.offload_hit_blocks
@@ -302,8 +300,7 @@ class ConnectorStep(_Settling):
             else:
                 self.distrust(job.spec, job.block_hashes)
         # At any position: what was served, and what sat in a tier beyond the prefix.
-        first = gpu_hit + ext
-        ledger.any_hits += p.served + self.held_beyond(hs[first:], where[first:])
+        ledger.any_hits += p.served + self.held_beyond(*where)
         ledger.prefill_tokens_saved += p.served * bs  # the connector kept the last token
         full = request.num_prompt_tokens // bs
         ledger.tiers["gpu"].stores += full - gpu_hit
@@ -328,13 +325,13 @@ class ConnectorStep(_Settling):
         if adm is None or request is None:
             return
         first = adm.gpu_hit_blocks + adm.offload_hit_blocks
-        absent = [h for h in self._hashes(request)[first:] if not self.ledger.present(h)]
+        absent = self.ledger.absent(self._hashes(request)[first:])
         refusals = c.counters.store_rejections
         job = c.computed(request)
         self.drain()
         if c.store_on == "compute" and c.counters.store_rejections == refusals:
             taken = set(job.block_hashes) if job is not None else set()
-            self.ledger.filtered("cpu", sum(1 for h in absent if h not in taken))
+            self.ledger.filtered("cpu", len(absent) - sum(map(taken.__contains__, absent)))
         self._store_job(job)
 
     def _store_job(self, job: TransferJob | None) -> None:
