@@ -42,14 +42,15 @@ class FreeKVCacheBlockQueue:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} free")
         taken: list[KVCacheBlock] = []
-        block = self._head.next_free
+        first = self._head.next_free
+        assert first is not None
+        block: KVCacheBlock = first
         for _ in range(n):
-            assert block is not None
             taken.append(block)
             following = block.next_free
             block.prev_free = block.next_free = None
-            block = following
-        assert block is not None
+            # n <= num_free_blocks: the walk ends on the tail sentinel at most
+            block = following  # type: ignore[assignment]
         self._head.next_free = block
         block.prev_free = self._head
         self.num_free_blocks -= n
@@ -89,17 +90,17 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Append blocks at the tail in the given order (the first is evicted first)."""
+        if type(blocks) is not list:
+            blocks = list(blocks)
         last = self._tail.prev_free
         assert last is not None
-        count = 0
         for block in blocks:
             last.next_free = block
             block.prev_free = last
             last = block
-            count += 1
         last.next_free = self._tail
         self._tail.prev_free = last
-        self.num_free_blocks += count
+        self.num_free_blocks += len(blocks)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put a block at the head (reused first): for blocks holding nothing cacheable."""

@@ -105,11 +105,17 @@ class Ledger:
     def served(self, request: int, tiers: Sequence[str], start: int = 0) -> None:
         """Blocks `start, start+1, ...` of `request` reached the engine from `tiers`,
         each weighed by its real tokens (a request's last block is usually partial)."""
+        if not tiers:
+            return
         bs = self.workload.block_size
         length = self.workload.requests[request].input_length
         position = start
-        for name, run in itertools.groupby(tiers):
-            n = len(list(run))
+        runs: Iterable[tuple[str, int]]
+        if tiers.count(tiers[0]) == len(tiers):  # the usual case: all from one tier
+            runs = ((tiers[0], len(tiers)),)
+        else:
+            runs = ((name, len(list(run))) for name, run in itertools.groupby(tiers))
+        for name, n in runs:
             tier = self.tiers[name]
             tier.hit_blocks += n
             tier.hit_tokens += max(0, min((position + n) * bs, length) - position * bs)
