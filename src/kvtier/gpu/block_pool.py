@@ -230,12 +230,7 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the tail in the given order."""
-        freed: list[KVCacheBlock] = []
-        for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                freed.append(block)
-        self.free_block_queue.append_n(freed)
+        self.free_block_queue.release_n(ordered_blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""

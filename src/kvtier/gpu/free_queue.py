@@ -102,6 +102,24 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free = last
         self.num_free_blocks += len(blocks)
 
+    def release_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; those left with none join the tail in
+        the given order (a block listed twice joins at its last listing). `append_n`
+        of the freed blocks in one walk: every finished request frees its blocks."""
+        last = self._tail.prev_free
+        assert last is not None
+        count = 0
+        for block in blocks:
+            block.ref_cnt -= 1
+            if not block.ref_cnt:
+                last.next_free = block
+                block.prev_free = last
+                last = block
+                count += 1
+        last.next_free = self._tail
+        self._tail.prev_free = last
+        self.num_free_blocks += count
+
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put a block at the head (reused first): for blocks holding nothing cacheable."""
         if block.prev_free is not None or block.next_free is not None:

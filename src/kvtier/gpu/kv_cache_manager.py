@@ -140,7 +140,8 @@ class KVCacheManager:
         are not registered in the prefix cache until `cache_blocks`, so no other
         request can hit a block whose bytes have not arrived yet.
         """
-        positive_int("num_tokens", num_tokens)
+        if type(num_tokens) is not int or num_tokens < 1:  # (checked inline: the hot path)
+            positive_int("num_tokens", num_tokens)
         request_id = request.request_id
         if request_id in self._req_blocks:
             raise ValueError(f"request {request_id!r} already has blocks; use append_slots")

@@ -107,19 +107,24 @@ class Ledger:
         each weighed by its real tokens (a request's last block is usually partial)."""
         if not tiers:
             return
+        if tiers.count(tiers[0]) == len(tiers):  # the usual case: all from one tier
+            self.served_from(request, tiers[0], len(tiers), start)
+            return
+        position = start
+        for name, run in itertools.groupby(tiers):
+            n = len(list(run))
+            self.served_from(request, name, n, position)
+            position += n
+
+    def served_from(self, request: int, tier: str, num_blocks: int, start: int = 0) -> None:
+        """`served` of `num_blocks` blocks from one tier."""
+        if not num_blocks:
+            return
         bs = self.workload.block_size
         length = self.workload.requests[request].input_length
-        position = start
-        runs: Iterable[tuple[str, int]]
-        if tiers.count(tiers[0]) == len(tiers):  # the usual case: all from one tier
-            runs = ((tiers[0], len(tiers)),)
-        else:
-            runs = ((name, len(list(run))) for name, run in itertools.groupby(tiers))
-        for name, n in runs:
-            tier = self.tiers[name]
-            tier.hit_blocks += n
-            tier.hit_tokens += max(0, min((position + n) * bs, length) - position * bs)
-            position += n
+        counters = self.tiers[tier]
+        counters.hit_blocks += num_blocks
+        counters.hit_tokens += max(0, min((start + num_blocks) * bs, length) - start * bs)
 
     @property
     def prefix_hits(self) -> int:

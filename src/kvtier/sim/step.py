@@ -301,7 +301,7 @@ class ConnectorStep(_Settling):
             ids = c.gpu.get_block_ids(request.request_id)
             if not self.plane.verify(ids[:gpu_hit], hashes[:gpu_hit]):
                 ledger.checksum_failed("gpu")
-        ledger.served(index, ["gpu"] * gpu_hit)
+        ledger.served_from(index, "gpu", gpu_hit)
         p = Pending(index, hs, gpu_hit, request=request, admission=adm, loaded_blocks=ext)
         if adm.load is not None:
             job = adm.load
