@@ -41,7 +41,7 @@ def test_evicting_every_copy_in_one_call_empties_the_index_and_reports_each() ->
     m.free(a)  # tail first: the free queue is 3 (never used), 2, 1, 0
     x = _other("x", 100, 4)
     allocate(m, x, 16)  # takes all four blocks, three copies of h among them
-    assert seen == [h, h, h]
+    assert seen == [h, h, h] and m.block_pool.num_evicted == 3
     assert _index(m) == sorted(
         (hx, [i]) for i, hx in zip([3, 2, 1, 0], x.block_hashes, strict=True)
     )
@@ -50,6 +50,7 @@ def test_evicting_every_copy_in_one_call_empties_the_index_and_reports_each() ->
     seen.clear()
     allocate(m, _other("y", 200, 4), 16)
     assert sorted(seen) == sorted(x.block_hashes) and len(_index(m)) == 4
+    assert m.block_pool.num_evicted == 7
 
 
 def test_copies_evicted_in_separate_calls_leave_the_others_cached() -> None:
@@ -67,3 +68,12 @@ def test_copies_evicted_in_separate_calls_leave_the_others_cached() -> None:
     assert hit == 4 and blocks[0].block_id == 0
     allocate(m, _other("z", 300, 1), 4)  # block 0: the last copy goes
     assert all(block_hash != h for block_hash, _ in _index(m)) and seen == [h, h]
+
+
+def test_evictions_are_counted_without_a_hook_or_events() -> None:
+    m = make(num_blocks=3, enable_kv_cache_events=False)
+    allocate(m, _other("a", 0, 3), 12)
+    assert m.block_pool.on_evict is None and m.block_pool.num_evicted == 0
+    m.free(Request.from_block_hashes("a", [], 12, block_size=4))
+    allocate(m, _other("b", 100, 2), 8)  # two of a's cached blocks go
+    assert m.block_pool.num_evicted == 2

@@ -91,11 +91,12 @@ class OffloadConnector:
         self.store_on: StoreOn = store_on
         self.block_size = gpu.block_size
         self._counters = ConnectorCounters()
-        # The pool's eviction hook (wire it to the pool's `on_evict`): a C-level append,
-        # no Python frame per evicted block; counted and queued at the next admission
-        # or reading of `counters`, in eviction order.
+        # The pool counts its evictions; their hashes are needed only to store them
+        # (store_on="evict"): wire this hook to the pool's `on_evict` then. A C-level
+        # append, no Python frame per evicted block; queued at the next admission.
         self._gpu_evicted: list[BlockHash] = []
         self.on_gpu_evict: EvictionHook = self._gpu_evicted.append
+        self._gpu_evictions_before = gpu.block_pool.num_evicted
         self._job_ids = itertools.count()
         self._first_computed: dict[str, int] = {}  # request -> first block its prefill made
         self._loads: dict[int, TransferJob] = {}
@@ -118,7 +119,8 @@ class OffloadConnector:
         store_on: StoreOn = "compute",
         num_preallocate_tokens: int = 0,
     ) -> OffloadConnector:
-        """An accelerator pool wired to the connector (its eviction hook included)."""
+        """An accelerator pool wired to the connector (its eviction hook when storing on
+        eviction)."""
         gpu = KVCacheManager(
             block_size,
             num_gpu_blocks,
@@ -127,19 +129,21 @@ class OffloadConnector:
             log_stats=False,
         )
         connector = cls(gpu, offload, store_on=store_on)
-        gpu.block_pool.on_evict = connector.on_gpu_evict
+        if store_on == "evict":
+            gpu.block_pool.on_evict = connector.on_gpu_evict
         return connector
 
     @property
     def counters(self) -> ConnectorCounters:
         if self._gpu_evicted:
             self._take_gpu_evictions()
+        evictions = self.gpu.block_pool.num_evicted - self._gpu_evictions_before
+        self._counters.gpu_evictions = evictions
         return self._counters
 
     def _take_gpu_evictions(self) -> None:
-        """Count the blocks the pool evicted, and queue them when storing on eviction."""
+        """Queue the blocks the pool evicted when storing on eviction."""
         evicted = self._gpu_evicted
-        self._counters.gpu_evictions += len(evicted)
         if self.store_on == "evict":
             self._evicted.extend(evicted)
         evicted.clear()

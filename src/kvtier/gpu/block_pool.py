@@ -60,6 +60,9 @@ class BlockPool:
         # block that holds it, and an eviction needs no check).
         self._num_duplicated = 0
         self._events: list[KVCacheEvent] = []
+        # Cached blocks evicted so far (their hash dropped to reuse their memory): what
+        # a caller that needs no hashes counts, without a hook call per block.
+        self.num_evicted = 0
 
     # --- the prefix-cache index -------------------------------------------------------
 
@@ -188,6 +191,7 @@ class BlockPool:
             # The usual case: each cached hash names its block, and there are no events.
             # The leanest loop (a `del`, no call but the hook's): this runs for every block.
             cached = self._cached
+            num_cached = len(cached)
             for block in blocks:
                 block_hash = block.block_hash
                 if block_hash is not None:
@@ -196,12 +200,14 @@ class BlockPool:
                     if hook is not None:
                         hook(block_hash)
                 block.ref_cnt = 1
+            self.num_evicted += num_cached - len(cached)  # one key per eviction here
             return blocks
         pop = self._cached.pop
         events = self._events if self.enable_kv_cache_events else None
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:  # evict it from the prefix cache
+                self.num_evicted += 1
                 block.block_hash = None
                 entry = pop(block_hash)
                 if entry is not block:
