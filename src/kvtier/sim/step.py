@@ -251,9 +251,9 @@ class ConnectorStep(_Settling):
     engine); hit rates keep the trace's denominator (all block references, partial
     last blocks included) so they compare with the offload-only replay and the bounds.
 
-    The tiers' events are drained into the ledger where it is read (at admission,
-    before a prefill's stores) and when a request finishes (the last moment of every
-    run), not after every call: the same figures, with fewer drains.
+    The tiers' events are drained into the ledger once at the end of each moment
+    that may cause some (admission, a load's completion, the prefill's stores), so it
+    is current wherever it is read, not after every call: the same figures.
     """
 
     holds_blocks = True
@@ -272,9 +272,9 @@ class ConnectorStep(_Settling):
         self._requests: dict[int, Request] = {}
         for i, (r, hs) in enumerate(zip(workload.requests, workload.block_hashes, strict=True)):
             if r.input_length:
-                full = min(len(hs), r.input_length // bs)
+                full = r.input_length // bs  # (the request copies its hashes)
                 self._requests[i] = Request.from_block_hashes(
-                    f"r{i}", hs[:full], r.input_length, block_size=bs
+                    f"r{i}", hs if full >= len(hs) else hs[:full], r.input_length, block_size=bs
                 )
 
     def indexes(self) -> Sequence[int]:
@@ -287,10 +287,10 @@ class ConnectorStep(_Settling):
     def admit(self, index: int) -> Pending | None:
         c, ledger, bs = self.connector, self.ledger, self.workload.block_size
         request, hs = self._requests[index], self.workload.block_hashes[index]
-        self.drain()
         in_gpu = c.gpu.are_cached(hs)  # before admission moves any
         adm = c.admit(request)
         if adm is None:
+            self.drain()
             return None
         gpu_hit, ext = adm.gpu_hit_blocks, adm.offload_hit_blocks
         # What the tiers held before this admission (its events are drained later).
@@ -322,6 +322,7 @@ class ConnectorStep(_Settling):
         p.uncached_tokens = request.num_tokens - (gpu_hit + ext) * bs
         for store in adm.stores:
             self._store_job(store)
+        self.drain()
         return p
 
     def loaded(self, p: Pending) -> None:
@@ -332,12 +333,12 @@ class ConnectorStep(_Settling):
             if p.load_ok:
                 self.promote(job.spec, job.block_hashes, job.gpu_block_ids)
             self.forget_lost()
+            self.drain()
 
     def computed(self, p: Pending) -> None:
         c, adm, request = self.connector, p.admission, p.request
         if adm is None or request is None:
             return
-        self.drain()
         absent: list[BlockHash] = []  # the blocks in no tier, offered to the tiers now
         if c.store_on == "compute":
             first = adm.gpu_hit_blocks + adm.offload_hit_blocks
@@ -352,6 +353,7 @@ class ConnectorStep(_Settling):
                 taken = set(stored)
                 self.ledger.filtered("cpu", len(absent) - sum(map(taken.__contains__, absent)))
         self._store_job(job)
+        self.drain()
 
     def _store_job(self, job: TransferJob | None) -> None:
         if job is None:
@@ -362,5 +364,4 @@ class ConnectorStep(_Settling):
 
     def finished(self, p: Pending) -> None:
         if p.request is not None:
-            self.connector.finish(p.request)
-            self.drain()
+            self.connector.finish(p.request)  # frees accelerator blocks only: no events
