@@ -95,8 +95,9 @@ class Ledger:
 
     def absent(self, block_hashes: list[BlockHash]) -> list[BlockHash]:
         """Those of the hashes in no tier as far as the replay knows (a shared tier may have
-        lost some), in order; one C-level pass per tier: this runs for every block."""
-        rest = list(block_hashes)
+        lost some), in order (the list given when all are); one C-level pass per tier:
+        this runs for every block."""
+        rest = block_hashes
         for resident in self.resident.values():
             if resident:
                 rest = list(filterfalse(resident.__contains__, rest))

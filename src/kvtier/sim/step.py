@@ -345,9 +345,10 @@ class ConnectorStep(_Settling):
             absent = self.ledger.absent(
                 request.get_block_hashes(c.block_size, c.gpu.hash_algorithm)[first:]
             )
-        refusals = c.counters.store_rejections
+        counters = c.counters  # (updated in place)
+        refusals = counters.store_rejections
         job = c.computed(request)
-        if absent and c.counters.store_rejections == refusals:
+        if absent and counters.store_rejections == refusals:
             stored = job.block_hashes if job is not None else []
             if stored != absent:  # usually equal: every absent block was stored
                 taken = set(stored)
