@@ -74,7 +74,14 @@ def test_malformed_trace_error_names_file_line_field(
     ("argv", "message"),
     [
         (["replay", "--policy", "nope", "--limit", "10"], "unknown cache policy 'nope'"),
-        (["replay", "--store-threshold", "1", "--limit", "10"], "store_threshold"),
+        (
+            ["replay", "--store-threshold", "-1", "--limit", "10"],
+            "store_threshold must be an integer >= 0, got -1",
+        ),
+        (
+            ["replay", "--disk-writes", "always", "--disk-blocks", "9", "--limit", "10"],
+            "disk_writes must be 'demote' or 'write_through', got 'always'",
+        ),
         (["replay", "--cpu-frac", "2", "--limit", "10"], "cpu_frac"),
         (["compare", "--fracs", "0.1,x", "--limit", "10"], "--fracs"),
     ],

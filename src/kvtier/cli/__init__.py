@@ -50,9 +50,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="lru,arc", help="policy or comma list (default lru,arc)")
     p.add_argument(
         "--store-threshold",
-        type=_int_at_least(0),
+        type=int,
         default=0,
-        help="reuse filter: store a block once seen K>=2 times (0: off)",
+        help="reuse filter: store a block once seen K>=2 times (0 or 1: off, as in vLLM)",
     )
     p.add_argument("--limit", type=_int_at_least(1), help="replay the first N requests only")
     p.add_argument(
@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="overlap requests by arrival time (in-flight loads/stores, waiting for room)",
     )
     rp.add_argument("--disk-blocks", type=_int_at_least(0), default=0, help="disk tier size")
+    rp.add_argument(
+        "--disk-writes",
+        action=Given,
+        default="demote",
+        help="write a block to disk when the CPU tier evicts it (demote, the default) or "
+        "at every CPU store (write_through), as the engine's disk_writes",
+    )
     rp.add_argument(
         "--disk-dir",
         metavar="PATH",

@@ -19,14 +19,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvtier.sim.replay_config import REPLAY_DISK_PREFIX
+
 # argparse takes "-1,1,1" for an option (its negative-number pattern knows only plain
 # numbers), so `--mix -1,1,1` failed with "expected one argument". Dashed comma lists
 # of numbers are values here: no kvtier flag looks like one.
 NUMBER_LIST = re.compile(r"^-\d*\.?\d+([eE][-+]?\d+)?(,[-+]?\d*\.?\d+([eE][-+]?\d+)?)*$")
-
-# Where `kvtier replay --disk-blocks N --data` keeps its disk tier without --disk-dir
-# (see kvtier.sim.stack).
-REPLAY_DISK_PREFIX = "kvtier-replay-disk-"
 
 # Bytes of bookkeeping per block, measured (`/usr/bin/time -f %M kvtier replay
 # --limit 5 --gpu-blocks 3000000`: +346 MB, ~115 bytes per block), rounded up.
@@ -92,6 +90,8 @@ def inapplicable_flags(args: argparse.Namespace) -> str | None:
         return "--store-on applies only with an accelerator tier (--gpu-blocks N > 0)"
     if "--redis-namespace" in given and args.redis is None:
         return "--redis-namespace applies only with a Redis tier (--redis URL)"
+    if "--disk-writes" in given and not args.disk_blocks:
+        return "--disk-writes applies only with a disk tier (--disk-blocks N > 0)"
     return None
 
 

@@ -23,6 +23,7 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
         time_model=TimeModel() if args.concurrent else None,
         store_on=args.store_on,
         disk_blocks=args.disk_blocks,
+        disk_writes=args.disk_writes,
         disk_dir=args.disk_dir,
         data=args.data,
         redis_url=args.redis,

@@ -116,7 +116,7 @@ def _drive(
         fast
         and stack.manager is stack.local
         and stack.cascade is None
-        and not config.store_threshold
+        and config.store_threshold < 2  # no filter in front
     ):
         fast_offload_loop(stack.manager, ledger, progress)
         _end(progress, workload)

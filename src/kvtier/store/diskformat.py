@@ -32,6 +32,9 @@ TMP_SUFFIX = ".tmp"
 LAYOUT_FILE = "layout.json"
 LOCK_FILE = "lock"  # held by the directory's one open DiskStore (flock)
 DIR_PREFIX = "kvtier-"
+# Budgets are counted in files of the longest block hash in use (sha256), so a budget
+# in bytes means the same number of blocks to every reader of a directory.
+MAX_HASH_BYTES = 32
 
 # magic, version, hash length, fingerprint, payload length, payload xxh3
 _FIXED = struct.Struct("<4sHH16sQQ")
@@ -147,6 +150,16 @@ class HeaderCheck:
         ):
             return int.from_bytes(data[_PREFIX.size : _FIXED.size], "little")
         return None
+
+
+def block_file_bytes(payload_bytes: int, hash_len: int = MAX_HASH_BYTES) -> int:
+    """Size of one block file: its header and a payload of `payload_bytes`."""
+    return BlockHeader.size_for(hash_len) + payload_bytes
+
+
+def directory_name(fingerprint: str) -> str:
+    """The directory of one layout's blocks under a disk tier's root."""
+    return f"{DIR_PREFIX}{fingerprint}"
 
 
 def file_name(block_hash: BlockHash) -> str:

@@ -37,6 +37,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier.connector.tier_config import TierConfig
 from kvtier.offload.abstract import LoadStoreSpec as KvtierSpec
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
@@ -45,7 +46,6 @@ from kvtier.transfer.cascade_handler import CascadeHandler
 from kvtier.transfer.device import DeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
-from kvtier.vllm.extra_config import KvtierVllmConfig
 from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class _Job:
 class KvtierOffloadingWorker(OffloadingWorker):
     def __init__(
         self,
-        config: KvtierVllmConfig,
+        config: TierConfig,
         layout: KVLayout,
         kv_caches: CanonicalKVCaches,
         *,

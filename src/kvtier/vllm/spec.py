@@ -17,24 +17,23 @@ the engine at start with one message.
 from __future__ import annotations
 
 import contextvars
-import os
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
-from kvtier.offload.abstract import OffloadingManager as KvtierManager
-from kvtier.offload.cascade_manager import CascadeOffloadingManager
-from kvtier.offload.disk_manager import DiskOffloadingManager
-from kvtier.store.diskformat import BlockHeader, hash_of
+from kvtier.connector.tier_config import TierConfig
+from kvtier.connector.tier_stack import DiskBacking, StackConfig, build_tiers
+from kvtier.store.diskdir import list_blocks
 from kvtier.store.layout import KVLayout
 from kvtier.types import BlockHash
-from kvtier.vllm.extra_config import KvtierVllmConfig, parse_extra_config
+from kvtier.vllm.extra_config import parse_extra_config
 from kvtier.vllm.kvtier_manager import KvtierOffloadingManager
 from kvtier.vllm.kvtier_worker import KvtierOffloadingWorker
 from kvtier.vllm.version import check_vllm_version
+
+if TYPE_CHECKING:
+    from kvtier.remote.tier import RemoteTier
 
 # Set while KvtierConnector builds its spec: only that connector reports failed
 # transfers to vLLM's recompute path (vLLM's own asserts that none fail).
@@ -73,24 +72,19 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         check_vllm_version()
         super().__init__(config)
-        self.kvtier: KvtierVllmConfig = parse_extra_config(self.extra_config)
+        self.kvtier: TierConfig = parse_extra_config(self.extra_config)
         self.report_failures = UNDER_KVTIER_CONNECTOR.get()
         _check_engine(config, self.kvtier, self.report_failures)
         self.layout = layout_for(config)
         self.block_size = config.groups[0].tokens_per_block
-        self.num_cpu_slots = self.kvtier.cpu_bytes_to_use // self.layout.bytes_per_block
-        if self.num_cpu_slots < 1:
-            raise ValueError(
-                f"cpu_bytes_to_use {self.kvtier.cpu_bytes_to_use} is below one block of "
-                f"this model ({self.layout.bytes_per_block} bytes)"
-            )
-        file_bytes = BlockHeader.size_for(32) + self.layout.bytes_per_block
-        self.num_disk_blocks = (self.kvtier.disk_bytes_to_use or 0) // file_bytes
-        if self.kvtier.has_disk and self.num_disk_blocks < 1:
-            raise ValueError(
-                f"disk_bytes_to_use {self.kvtier.disk_bytes_to_use} is below one block "
-                f"file of this model ({file_bytes} bytes)"
-            )
+        self.stack_config = StackConfig.from_tier_config(
+            self.kvtier,
+            self.block_size,
+            self.layout.bytes_per_block,
+            enable_events=self.kv_events_config.enable_kv_cache_events,
+        )
+        self.num_cpu_slots = self.stack_config.cpu_blocks
+        self.num_disk_blocks = self.stack_config.disk_blocks
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
 
@@ -102,35 +96,18 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return self._manager
 
     def _build_manager(self) -> KvtierOffloadingManager:
-        cfg, events = self.kvtier, self.kv_events_config.enable_kv_cache_events
-        cpu: KvtierManager = CPUOffloadingManager(
-            self.block_size,
-            self.num_cpu_slots,
-            cache_policy=cfg.eviction_policy,
-            enable_events=events,
-        )
+        cfg = self.kvtier
         discards: list[BlockHash] = []
-        local = cpu
+        backing = None
         if cfg.disk_path is not None:
-            disk = DiskOffloadingManager(
-                self.block_size,
-                self.num_disk_blocks,
-                cfg.eviction_policy,
-                events,
-                on_free=discards.extend,
-            )
-            discards.extend(disk.adopt(recovered_blocks(cfg.disk_path, self.layout)))
-            lower: KvtierManager = disk
-            if cfg.store_threshold >= 2:  # admission to the disk, as the replay does
-                lower = FilterReusedOffloadingManager(disk, store_threshold=cfg.store_threshold)
-            local = CascadeOffloadingManager(
-                cpu, lower, disk_writes=cfg.disk_writes, enable_events=events
-            )
-        elif cfg.store_threshold >= 2:
-            local = FilterReusedOffloadingManager(cpu, store_threshold=cfg.store_threshold)
-        remote, tier = None, self._open_remote()
-        if tier is not None:
-            remote = tier.manager(enable_events=events, async_lookup=True)
+            # the worker opened (and recovered) the directory before the scheduler is built
+            backing = DiskBacking(list_blocks(cfg.disk_path, self.layout), discards.extend)
+        tiers = build_tiers(
+            self.stack_config,
+            disk=backing,
+            remote_key=self.layout,
+            async_lookup=True,
+        )
 
         def take_discards() -> list[BlockHash]:
             taken = list(discards)
@@ -138,27 +115,22 @@ class KvtierOffloadingSpec(OffloadingSpec):
             return taken
 
         return KvtierOffloadingManager(
-            local,
-            remote,
-            enable_events=events,
-            on_close=tier.close if tier is not None else None,
+            tiers.local,
+            tiers.remote_manager,
+            enable_events=self.stack_config.enable_events,
+            on_close=tiers.close,
             take_discards=take_discards,
         )
 
-    def _open_remote(self) -> Any:
+    def _open_remote(self) -> RemoteTier | None:
+        """The worker's own connection to the Redis tier (its data plane)."""
         cfg = self.kvtier
         if cfg.redis_url is None:
             return None
         from kvtier.remote.tier import RemoteTier
 
         return RemoteTier.from_url(
-            cfg.redis_url,
-            self.layout,
-            block_size=self.block_size,
-            socket_timeout_s=cfg.redis_socket_timeout_s,
-            connect_timeout_s=cfg.redis_connect_timeout_s,
-            ttl_s=cfg.redis_ttl_s,
-            key_prefix=cfg.redis_key_prefix,
+            cfg.redis_url, self.layout, block_size=self.block_size, **cfg.redis_options()
         )
 
     # --- worker side -----------------------------------------------------------
@@ -177,7 +149,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return self._worker
 
 
-def _check_engine(config: OffloadingConfig, cfg: KvtierVllmConfig, kvtier_connector: bool) -> None:
+def _check_engine(config: OffloadingConfig, cfg: TierConfig, kvtier_connector: bool) -> None:
     """Refuse engine shapes the spec does not serve, naming the setting to change."""
     if len(config.groups) != 1:
         raise ValueError(
@@ -202,23 +174,3 @@ def _check_engine(config: OffloadingConfig, cfg: KvtierVllmConfig, kvtier_connec
             "asserts that every transfer succeeds, so a failed disk or Redis load would stop "
             "the engine instead of being recomputed"
         )
-
-
-def recovered_blocks(disk_path: str, layout: KVLayout) -> list[BlockHash]:
-    """Block files of `layout` under `disk_path`, oldest first, as the worker's recovery
-    left them (the worker opens the directory, and recovers it, before the scheduler
-    is built). Read only: the scheduler side never deletes behind the worker."""
-    from kvtier.store.diskformat import DIR_PREFIX
-
-    directory = Path(disk_path) / f"{DIR_PREFIX}{layout.fingerprint}"
-    size = BlockHeader.size_for(32) + layout.bytes_per_block
-    found: list[tuple[int, BlockHash]] = []
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        block_hash = hash_of(entry.name)
-        if block_hash is not None and entry.is_file() and entry.stat().st_size == size:
-            found.append((entry.stat().st_mtime_ns, block_hash))
-    return [h for _, h in sorted(found)]
