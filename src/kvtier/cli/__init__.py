@@ -47,9 +47,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format", action=Given, choices=FORMATS, default="mooncake", help="trace format"
     )
-    p.add_argument("--policy", default="lru,arc", help="policy or comma list (default lru,arc)")
+    p.add_argument(
+        "--policy",
+        action=Given,
+        default="lru,arc",
+        help="policy or comma list (default lru,arc)",
+    )
     p.add_argument(
         "--store-threshold",
+        action=Given,
         type=int,
         default=0,
         help="reuse filter: store a block once seen K>=2 times (0 or 1: off, as in vLLM)",
@@ -85,8 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(rp)
     rp.add_argument("--gpu-blocks", type=_int_at_least(0), default=0, help="0: no GPU tier")
     size = rp.add_mutually_exclusive_group()
-    size.add_argument("--cpu-blocks", type=_int_at_least(0), help="CPU tier size in blocks")
-    size.add_argument("--cpu-frac", type=float, help="CPU tier as a fraction of unique blocks")
+    size.add_argument(
+        "--cpu-blocks", action=Given, type=_int_at_least(0), help="CPU tier size in blocks"
+    )
+    size.add_argument(
+        "--cpu-frac", action=Given, type=float, help="CPU tier as a fraction of unique blocks"
+    )
     rp.add_argument(
         "--store-on",
         action=Given,
@@ -99,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="overlap requests by arrival time (in-flight loads/stores, waiting for room)",
     )
-    rp.add_argument("--disk-blocks", type=_int_at_least(0), default=0, help="disk tier size")
+    rp.add_argument(
+        "--disk-blocks", action=Given, type=_int_at_least(0), default=0, help="disk tier size"
+    )
     rp.add_argument(
         "--disk-writes",
         action=Given,
@@ -118,7 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="move and verify real bytes (needs torch: pip install 'kvtier[torch]')",
     )
-    rp.add_argument("--redis", metavar="URL", help="add a shared Redis tier below")
+    rp.add_argument("--redis", action=Given, metavar="URL", help="add a shared Redis tier below")
+    rp.add_argument(
+        "--vllm-config",
+        metavar="JSON|@FILE",
+        help="replay the tiers of an engine's kv_connector_extra_config (needs --gpu-blocks "
+        "and --kv-bytes-per-block or --model-config)",
+    )
+    rp.add_argument(
+        "--kv-bytes-per-block",
+        type=_int_at_least(1),
+        help="with --vllm-config: one block's K and V bytes over all layers",
+    )
+    rp.add_argument(
+        "--model-config",
+        metavar="config.json",
+        help="with --vllm-config: the model's config.json, for its KV bytes per block",
+    )
     rp.add_argument(
         "--redis-namespace",
         action=Given,

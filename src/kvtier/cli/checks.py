@@ -88,6 +88,12 @@ def inapplicable_flags(args: argparse.Namespace) -> str | None:
         return None
     if "--store-on" in given and not args.gpu_blocks:
         return "--store-on applies only with an accelerator tier (--gpu-blocks N > 0)"
+    vllm_config = getattr(args, "vllm_config", None) is not None
+    for flag in ("--kv-bytes-per-block", "--model-config"):
+        if getattr(args, flag[2:].replace("-", "_"), None) is not None and not vllm_config:
+            return f"{flag} applies only with --vllm-config"
+    if vllm_config:
+        return None  # the config's tiers decide what applies (kvtier.cli.vllm_config)
     if "--redis-namespace" in given and args.redis is None:
         return "--redis-namespace applies only with a Redis tier (--redis URL)"
     if "--disk-writes" in given and not args.disk_blocks:

@@ -97,7 +97,7 @@ class StackConfig:
         text = " -> ".join(parts)
         if self.filtered:
             where = "disk" if self.disk_blocks else "cpu"
-            text += f"; {where} admits a block at its {self.store_threshold}th store"
+            text += f"; {where} admits blocks offered {self.store_threshold}+ times"
         return text
 
 

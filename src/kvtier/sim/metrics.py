@@ -95,6 +95,7 @@ class ReplayResult:
     tiers: tuple[TierStats, ...]
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+    stack: str = ""  # the tiers below the accelerator, as built (`StackConfig.describe`)
 
     @property
     def offload_tiers(self) -> tuple[TierStats, ...]:
@@ -128,6 +129,7 @@ class ReplayResult:
             "prefix_hit_blocks": self.prefix_hit_blocks,
             "prefill_tokens_saved": self.prefill_tokens_saved,
             "seconds": self.seconds,
+            "stack": self.stack,
             "tiers": {
                 t.name: {k: v for k, v in asdict(t).items() if k != "name"} for t in self.tiers
             },

@@ -6,8 +6,9 @@ nothing of the replay itself), so the package has no import circle.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.connector.scheduler import StoreOn
 from kvtier.connector.tier_config import DiskWrites, check_disk_writes, check_store_threshold
@@ -86,6 +87,8 @@ class ReplayConfig:
     redis_url: str | None = None
     # Key namespace in Redis; None: a fresh one per replay (runs never share blocks).
     redis_namespace: str | None = None
+    # RemoteConfig options for the Redis tier (timeouts, ttl_s, key_prefix: an engine's).
+    redis_options: Mapping[str, Any] = field(default_factory=dict)
     # Move real bytes through every tier and verify every load.
     data: bool = False
     # Placeholder bytes written per block without a data plane (Redis memory and
@@ -131,6 +134,7 @@ class ReplayConfig:
             disk_blocks=self.disk_blocks,
             disk_writes=self.disk_writes,
             redis_url=self.redis_url,
+            redis_options=self.redis_options,
         )
 
     def total_capacity(self, workload: Workload) -> int:

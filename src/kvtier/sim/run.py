@@ -98,6 +98,7 @@ def replay(
         tiers=ledger.freeze(),
         seconds=seconds,
         extra=extra,
+        stack=stack.description,
     )
 
 
