@@ -164,13 +164,13 @@ def build_tiers(
         )
         lower: OffloadingManager = tiers.disk
         if config.filtered:
-            lower = FilterReusedOffloadingManager(lower, store_threshold=config.store_threshold)
+            lower = _reuse_filter(lower, config.store_threshold)
         tiers.cascade = CascadeOffloadingManager(
             cpu, lower, disk_writes=config.disk_writes, enable_events=events
         )
         tiers.local = tiers.cascade
     elif config.filtered:
-        tiers.local = FilterReusedOffloadingManager(cpu, store_threshold=config.store_threshold)
+        tiers.local = _reuse_filter(cpu, config.store_threshold)
     if config.redis_url is not None:
         from kvtier.remote.tier import RemoteTier
 
@@ -190,6 +190,13 @@ def build_tiers(
             async_lookup=async_lookup,
         )
     return tiers
+
+
+def _reuse_filter(manager: OffloadingManager, threshold: int) -> OffloadingManager:
+    """The filter counts store offers, not lookups: an engine looks a request's blocks up
+    one by one only to its first miss, and again on every step the request waits, so its
+    lookups count scheduling, not reuse; every caller offers a computed block once."""
+    return FilterReusedOffloadingManager(manager, threshold, count_store_offers=True)
 
 
 def _ignore(block_hashes: Sequence[BlockHash]) -> None:

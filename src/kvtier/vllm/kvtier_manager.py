@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import (
     Locality,
@@ -72,6 +73,27 @@ _MEDIA: dict[str, tuple[Medium, Locality]] = {
 
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 _Load = tuple[list[tuple[str, list[BlockHash]]], list[BlockHash]]
+
+
+@dataclass
+class _RequestUse:
+    """Blocks a request loaded and has not yet used. vLLM 0.32's connector never calls
+    `touch`, so kvtier's tiers learn recency where a request's blocks pass: its loaded
+    blocks and the blocks it offers at its next `prepare_store` are used then, head to
+    tail as one use (policies read one touch as one request: LRU keeps its root most
+    recent), before the store; a request that stores nothing uses its loaded blocks
+    when it finishes. A replay's request touches its blocks before it stores them: the
+    same order, so the replay predicts the engine."""
+
+    loaded: list[BlockHash] = field(default_factory=list)
+
+
+def _use_of(req_context: ReqContext) -> _RequestUse:
+    use: _RequestUse | None = req_context.get_state(_RequestUse)
+    if use is None:
+        use = _RequestUse()
+        req_context.set_state(use)
+    return use
 
 
 def block_hash_of(key: OffloadKey) -> BlockHash:
@@ -178,6 +200,7 @@ class KvtierOffloadingManager(OffloadingManager):
             for name, part in taken:
                 self._tier(name).complete_load(part)
             raise
+        _use_of(req_context).loaded += hashes
         spec.promotion = self._plan_promotion(spec.parts)
         spec.discards = self._take_discards()  # after the promotion's own disk evictions
         promoted = spec.promotion.block_hashes if spec.promotion is not None else []
@@ -198,10 +221,19 @@ class KvtierOffloadingManager(OffloadingManager):
         return Part(LOCAL, [position[h] for h in promoted], promoted, out.store_spec)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        hashes = [block_hash_of(k) for k in keys]
+        self._use([block_hash_of(k) for k in keys])
+
+    def _use(self, hashes: list[BlockHash]) -> None:
         self.local.touch(hashes)
         if self.remote is not None:
             self.remote.touch(hashes)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """A request that loaded blocks and stored none uses them now (see `_RequestUse`)."""
+        use = _use_of(req_context)
+        if use.loaded:
+            self._use(use.loaded)
+            use.loaded = []
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         hashes = frozenset(block_hash_of(k) for k in keys)
@@ -233,6 +265,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         hashes = [block_hash_of(k) for k in keys]
+        use = _use_of(req_context)
+        self._use(use.loaded + hashes)  # the request's blocks head to tail, then its stores
+        use.loaded = []
         outputs = [(LOCAL, self.local.prepare_store(hashes))]
         if self.remote is not None:
             outputs.append((REMOTE, self.remote.prepare_store(hashes)))
