@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 
 from kvtier.types import BlockHash
+from kvtier.validate import positive_int
 
 HashAlgorithm = Literal["sha256_cbor", "xxh3_128"]
 HASH_ALGORITHMS: tuple[HashAlgorithm, ...] = ("sha256_cbor", "xxh3_128")
@@ -92,13 +93,6 @@ def check_token_ids(token_ids: Sequence[int] | Any, where: str = "token ids") ->
                 f"[0, {MAX_TOKEN_ID}]"
             )
     return [int(t) for t in tokens]
-
-
-def positive_int(name: str, value: object, minimum: int = 1) -> int:
-    """`value` itself when it is an int (not a bool) >= minimum; else a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def hash_object(obj: Any, algorithm: HashAlgorithm = "sha256_cbor") -> BlockHash:

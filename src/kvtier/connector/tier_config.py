@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 
 from kvtier.offload.policies import available_policies, get_policy_class
 from kvtier.store.diskformat import block_file_bytes
+from kvtier.validate import whole_number
 
 DiskWrites = Literal["demote", "write_through"]
 DISK_WRITES: tuple[str, ...] = get_args(DiskWrites)
@@ -24,7 +25,7 @@ DISK_WRITES: tuple[str, ...] = get_args(DiskWrites)
 
 def check_store_threshold(where: str, value: Any) -> int:
     """0 or 1: every block is admitted at once; n >= 2: a block is stored at its n-th offer."""
-    return check_integer(where, value, minimum=0)
+    return whole_number(where, value, minimum=0)
 
 
 def check_disk_writes(where: str, value: Any) -> DiskWrites:
@@ -41,15 +42,6 @@ def check_policy(where: str, value: Any) -> str:
         get_policy_class(value)
     except (ValueError, TypeError, ImportError, AttributeError) as exc:
         raise ValueError(f"{where}: {exc} (kvtier policies: {available_policies()})") from None
-    return value
-
-
-def check_integer(where: str, value: Any, minimum: int) -> int:
-    """An int >= minimum; a float with no fraction is accepted (JSON writes 8e9 so)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
@@ -136,11 +128,11 @@ def parse_tier_config(values: Mapping[str, Any], where: str) -> TierConfig:
 
 def _check(where: str, key: str, value: Any) -> Any:
     if key in ("cpu_bytes_to_use", "disk_bytes_to_use"):
-        return check_integer(where, value, minimum=1)
+        return whole_number(where, value, minimum=1)
     if key == "store_threshold":
         return check_store_threshold(where, value)
     if key in ("disk_io_threads", "redis_ttl_s", "cpu_copy_threads"):
-        return check_integer(where, value, minimum=1)
+        return whole_number(where, value, minimum=1)
     if key in ("cpu_checksums", "disk_fsync"):
         if not isinstance(value, bool):
             raise ValueError(f"{where} must be true or false, got {value!r}")

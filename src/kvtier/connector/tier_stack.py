@@ -25,7 +25,6 @@ from kvtier.connector.tier_config import (
     DiskWrites,
     TierConfig,
     check_disk_writes,
-    check_integer,
     check_policy,
     check_store_threshold,
 )
@@ -34,6 +33,7 @@ from kvtier.offload.abstract import OffloadingEvent, OffloadingManager
 from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.offload.disk_manager import DiskOffloadingManager
 from kvtier.types import BlockHash
+from kvtier.validate import whole_number
 
 if TYPE_CHECKING:
     from kvtier.remote.remote_manager import RemoteOffloadingManager
@@ -58,9 +58,9 @@ class StackConfig:
     enable_events: bool = True
 
     def __post_init__(self) -> None:
-        check_integer("block_size", self.block_size, minimum=1)
-        check_integer("cpu_blocks", self.cpu_blocks, minimum=0)
-        check_integer("disk_blocks", self.disk_blocks, minimum=0)
+        whole_number("block_size", self.block_size, minimum=1)
+        whole_number("cpu_blocks", self.cpu_blocks, minimum=0)
+        whole_number("disk_blocks", self.disk_blocks, minimum=0)
         check_policy("eviction_policy", self.policy)
         check_store_threshold("store_threshold", self.store_threshold)
         check_disk_writes("disk_writes", self.disk_writes)

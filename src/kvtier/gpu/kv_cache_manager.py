@@ -29,9 +29,10 @@ from kvtier.gpu.sliding_window import (
     num_window_blocks,
     skipped_block_indices,
 )
-from kvtier.hashing import HashAlgorithm, digest_function, positive_int
+from kvtier.hashing import HashAlgorithm, digest_function
 from kvtier.request import Request
 from kvtier.types import BlockHash
+from kvtier.validate import positive_int
 
 
 def _cdiv(a: int, b: int) -> int:

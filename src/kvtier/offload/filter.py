@@ -15,7 +15,6 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import replace
 
-from kvtier.hashing import positive_int
 from kvtier.offload.abstract import (
     LoadStoreSpec,
     OffloadingEvent,
@@ -26,6 +25,7 @@ from kvtier.offload.abstract import (
 )
 from kvtier.offload.offloading_stats import OffloadingStats
 from kvtier.types import BlockHash
+from kvtier.validate import positive_int
 
 
 class FilterReusedOffloadingManager(OffloadingManager):

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
-from kvtier.hashing import positive_int
 from kvtier.offload.abstract import (
     LoadStoreSpec,
     OffloadingEvent,
@@ -40,6 +39,7 @@ from kvtier.offload.abstract import (
 from kvtier.remote.async_lookup import AsyncLookups
 from kvtier.remote.redis_store import RedisBlockStore
 from kvtier.types import BlockHash
+from kvtier.validate import positive_int
 
 MEDIUM = "REMOTE"
 
