@@ -126,10 +126,6 @@ class ARCCachePolicy(CachePolicy):
             return True
         return self._t2.move_to_end(key) if key in self._t2.parked else False
 
-    def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
-        split = self.evict_split(n, protected)
-        return None if split is None else list(zip(*split, strict=True))
-
     def evict_split(
         self, n: int, protected: Set[BlockHash]
     ) -> tuple[list[BlockHash], list[BlockStatus]] | None:

@@ -68,10 +68,6 @@ class LRUCachePolicy(CachePolicy):
             elif lst.parked:
                 lst.move_to_end(key)
 
-    def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
-        split = self.evict_split(n, protected)
-        return None if split is None else list(zip(*split, strict=True))
-
     def evict_split(
         self, n: int, protected: Set[BlockHash]
     ) -> tuple[list[BlockHash], list[BlockStatus]] | None:

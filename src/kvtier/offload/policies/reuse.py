@@ -47,7 +47,7 @@ from operator import itemgetter
 
 from kvtier.offload._fast import consume
 from kvtier.offload.backend import BlockStatus
-from kvtier.offload.policies.base import CachePolicy, Victims
+from kvtier.offload.policies.base import CachePolicy
 from kvtier.offload.policies.scored import COLD, NEW, NEW_IN_CHAIN, ScoredLists, Weights
 from kvtier.types import BlockHash
 
@@ -227,10 +227,6 @@ class ReuseCachePolicy(CachePolicy):
         if best != self.setting:
             self.setting = best
             self._main.set_weights(SETTINGS[best])
-
-    def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
-        split = self.evict_split(n, protected)
-        return None if split is None else list(zip(*split, strict=True))
 
     def evict_split(
         self, n: int, protected: Set[BlockHash]
