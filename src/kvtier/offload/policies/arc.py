@@ -19,7 +19,7 @@ from itertools import filterfalse, repeat
 from kvtier.offload._fast import consume, first, pop_head, push_head, second
 from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies.base import CachePolicy, Victims
-from kvtier.offload.policies.recency import RecencyList
+from kvtier.offload.structures.recency_list import RecencyList
 from kvtier.types import BlockHash
 
 

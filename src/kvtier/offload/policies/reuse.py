@@ -3,8 +3,8 @@
 Why: on real chat traces most stored blocks are never used again (76% on the
 public Mooncake trace), so what matters most is which new blocks to let stay.
 Each block is scored by the clock at its last use plus a bonus for its class
-(`scored.py`): cold, first seen, seen twice, seen more, or first seen in a
-request that extends a chain already known. No single set of bonuses wins at
+(`kvtier.offload.structures.scored_lists`): cold, first seen, seen twice, seen
+more, or first seen in a request that extends a chain already known. No single set of bonuses wins at
 every capacity and on every workload, so four settings (below) run side by side
 on small shadow caches that see a 1/16 sample of the hashes (fed in batches of
 up to BATCH requests, one call per shadow, while a batch stays under a sixteenth
@@ -48,7 +48,7 @@ from operator import itemgetter
 from kvtier.offload._fast import consume
 from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies.base import CachePolicy
-from kvtier.offload.policies.scored import COLD, NEW, NEW_IN_CHAIN, ScoredLists, Weights
+from kvtier.offload.structures.scored_lists import COLD, NEW, NEW_IN_CHAIN, ScoredLists, Weights
 from kvtier.types import BlockHash
 
 # A bonus low enough to be evicted before anything that scored on recency.
