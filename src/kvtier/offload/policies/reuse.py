@@ -4,9 +4,9 @@ Why: on real chat traces most stored blocks are never used again (76% on the
 public Mooncake trace), so what matters most is which new blocks to let stay.
 Each block is scored by the clock at its last use plus a bonus for its class
 (`kvtier.offload.structures.scored_lists`): cold, first seen, seen twice, seen
-more, or first seen in a request that extends a chain already known. No single set of bonuses wins at
-every capacity and on every workload, so four settings (below) run side by side
-on small shadow caches that see a 1/16 sample of the hashes (fed in batches of
+more, or first seen in a request that extends a chain already known. No single set
+of bonuses wins at every capacity and on every workload, so four settings (below)
+run side by side on small shadow caches that see a 1/16 sample of the hashes (fed in batches of
 up to BATCH requests, one call per shadow, while a batch stays under a sixteenth
 of a shadow's capacity), and the cache follows whichever had the most decayed
 hits lately: set dueling. The first setting is LRU with leaf-first eviction, and
