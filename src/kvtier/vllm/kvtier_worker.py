@@ -38,14 +38,12 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.connector.tier_config import TierConfig
-from kvtier.offload.abstract import LoadStoreSpec as KvtierSpec
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
 from kvtier.transfer.cascade_handler import CascadeHandler
 from kvtier.transfer.device import DeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
-from kvtier.types import BlockHash
 from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
 
 log = logging.getLogger(__name__)
@@ -87,25 +85,6 @@ class CanonicalDeviceKV(DeviceKV):
         return None if self.is_cuda else 1
 
 
-@dataclass(frozen=True)
-class DiscardSpec(KvtierSpec):
-    """Delete these disk files: run as a job of the ordered cascade worker."""
-
-    block_hashes: list[BlockHash]
-
-    @staticmethod
-    def medium() -> str:
-        return "DISK"
-
-
-class _CascadeHandler(CascadeHandler):
-    def store(self, device_ids: npt.NDArray[np.int64], spec: KvtierSpec, ready: Any) -> int:
-        if isinstance(spec, DiscardSpec):
-            self.disk.discard(spec.block_hashes)
-            return 0
-        return super().store(device_ids, spec, ready)
-
-
 @dataclass
 class _Job:
     """A vLLM job: its kvtier parts still running, and how it went so far."""
@@ -138,7 +117,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.memory = MemoryStore(layout, num_cpu_slots, checksums=config.cpu_checksums)
         self.report_failures = report_failures
         self.disk: DiskStore | None = None
-        self._handler: _CascadeHandler | None = None
+        self._handler: CascadeHandler | None = None
         self.remote_tier = remote
         self.workers: dict[str, TransferWorker] = {}
         # on the CPU platform: `cpu_copy_threads` copying threads (see HostSlotHandler)
@@ -153,7 +132,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     fsync=config.disk_fsync,
                     io_threads=config.disk_io_threads,
                 )
-                self._handler = _CascadeHandler(
+                self._handler = CascadeHandler(
                     self.kv, self.memory, self.disk, copy_threads=copiers
                 )
                 self.workers[LOCAL] = TransferWorker(
@@ -194,7 +173,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             raise TypeError(f"KvtierOffloadingWorker got a {type(spec).__name__} spec")
         device_ids = np.asarray(gpu.block_ids, dtype=np.int64)
         if spec.discards and self._handler is not None:  # in order, before this job
-            self.workers[LOCAL].submit_store(next(self._sub_ids), [], DiscardSpec(spec.discards))
+            self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
         job = _Job(is_load, device_ids, getattr(spec, "promotion", None))
         subs = [(next(self._sub_ids), part) for part in spec.parts]
         with self._lock:

@@ -5,7 +5,8 @@ prefix partly in local memory or on disk, partly in the shared Redis tier), so a
 job's spec is a list of parts, each naming its tier, its positions in the job's key
 (and device block) order, and that tier's own kvtier spec. `discards` are disk files
 the scheduler let go of (evicted or failed): the worker deletes them in job order,
-before any copy of the job that may reuse their slots.
+before any copy of the job that may reuse their slots, as a discard job of their own
+(`TransferWorker.submit_discard`), not a store.
 
 `WorkerReport` is the way back: which parts failed, which disk blocks were found
 corrupt, which demotions never reached the disk. vLLM's own connector has no channel
