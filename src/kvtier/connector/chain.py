@@ -188,7 +188,10 @@ class TierChain(OffloadingManager):
     def complete_part(self, name: str, block_hashes: Iterable[BlockHash], success: bool) -> None:
         """Settle one tier's part of the stores (its own transfer job succeeded or not)."""
         k = [n for n, _ in self.tiers].index(name)
-        hashes = [h for h in block_hashes if k in self._stores.get(h, ())]
+        # a hash listed twice is one store (settled once)
+        hashes = [h for h in dict.fromkeys(block_hashes) if k in self._stores.get(h, ())]
+        if not hashes:  # this tier stores none of them
+            return
         for h in hashes:
             self._stores[h].remove(k)
             if not self._stores[h]:

@@ -33,6 +33,7 @@ import logging
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 from vllm.v1.kv_offload.base import (
     Locality,
@@ -46,6 +47,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
+from kvtier.connector.chain import ChainSpec, TierChain
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.types import BlockHash
@@ -134,7 +136,9 @@ class KvtierOffloadingManager(OffloadingManager):
         # (each load: the parts taken from each tier, and the blocks promoted locally)
         self._loads: defaultdict[frozenset[BlockHash], deque[_Load]]
         self._loads = defaultdict(deque)
-        self._storing: dict[BlockHash, list[str]] = {}
+        # kvtier's one join of local and remote tiers: write-through stores, promotions
+        members = [(LOCAL, local)] if remote is None else [(LOCAL, local), (REMOTE, remote)]
+        self.chain = TierChain(members, promote=False)
         self._found: OrderedDict[BlockHash, str] = OrderedDict()
         self._failed_stores: set[tuple[str, BlockHash]] = set()
         self._failed_loads: set[BlockHash] = set()
@@ -208,12 +212,12 @@ class KvtierOffloadingManager(OffloadingManager):
         return spec
 
     def _plan_promotion(self, parts: list[Part]) -> Part | None:
-        """Local slots for what Redis serves, as kvtier's `TierChain` promotes (a refused
-        or full local tier just means no promotion)."""
+        """Local slots for what Redis serves, taken by the chain (a refused or full local
+        tier just means no promotion)."""
         remote = next((p for p in parts if p.tier == REMOTE), None)
         if remote is None:
             return None
-        out = self.local.prepare_store(remote.block_hashes)
+        out = self.chain.plan_promotion(0, remote.block_hashes)
         if out is None or not out.block_hashes_to_store:
             return None
         position = dict(zip(remote.block_hashes, remote.positions, strict=True))
@@ -256,7 +260,7 @@ class KvtierOffloadingManager(OffloadingManager):
         if promoted:
             bad = {h for h in promoted if (LOCAL, h) in self._failed_stores}
             self._failed_stores.difference_update((LOCAL, h) for h in bad)
-            self.local.complete_store(promoted, remote_ok and not bad)
+            self.chain.settle_promotion(0, promoted, remote_ok and not bad)
         self._forget()
 
     # --- stores --------------------------------------------------------------
@@ -268,49 +272,31 @@ class KvtierOffloadingManager(OffloadingManager):
         use = _use_of(req_context)
         self._use(use.loaded + hashes)  # the request's blocks head to tail, then its stores
         use.loaded = []
-        outputs = [(LOCAL, self.local.prepare_store(hashes))]
-        if self.remote is not None:
-            outputs.append((REMOTE, self.remote.prepare_store(hashes)))
-        if all(out is None for _, out in outputs):
+        out = self.chain.prepare_store(hashes)  # offered to every tier (write-through)
+        if out is None:
             return None
-        order: dict[BlockHash, int] = {}
-        for _, out in outputs:
-            if out is not None:
-                for h in out.block_hashes_to_store:
-                    order.setdefault(h, len(order))
+        order = {h: i for i, h in enumerate(out.block_hashes_to_store)}
         spec = KvtierStoreSpec(discards=self._take_discards())
-        evicted: list[BlockHash] = []
-        for name, out in outputs:
-            if out is None or not out.block_hashes_to_store:
-                continue
-            part = out.block_hashes_to_store
-            spec.parts.append(Part(name, [order[h] for h in part], part, out.store_spec))
-            for h in part:
-                self._storing.setdefault(h, []).append(name)
-            if name == LOCAL:
-                evicted = out.block_hashes_evicted
+        for name, part, tier_spec in cast(ChainSpec, out.store_spec).parts:
+            if part:
+                spec.parts.append(Part(name, [order[h] for h in part], part, tier_spec))
         return PrepareStoreOutput(
-            keys_to_store=[key_of(h) for h in order],
+            keys_to_store=[key_of(h) for h in out.block_hashes_to_store],
             store_spec=spec,
-            evicted_keys=[key_of(h) for h in evicted],
+            evicted_keys=[key_of(h) for h in out.block_hashes_evicted],
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        by_tier: defaultdict[str, list[BlockHash]] = defaultdict(list)
-        for h in map(block_hash_of, keys):
-            for name in self._storing.pop(h, ()):
-                by_tier[name].append(h)
-        for name, hashes in by_tier.items():
+        hashes = [block_hash_of(k) for k in keys]
+        for name, _ in self.chain.tiers:  # each tier's part as the worker said it went
             failed = {h for h in hashes if (name, h) in self._failed_stores}
             self._failed_stores.difference_update((name, h) for h in failed)
-            ok = [h for h in hashes if h not in failed] if success else []
-            tier = self._tier(name)
-            if ok:
-                tier.complete_store(ok, True)
-            if len(ok) < len(hashes):
-                tier.complete_store([h for h in hashes if h in failed or not success], False)
+            if success and len(failed) < len(hashes):
+                self.chain.complete_part(name, [h for h in hashes if h not in failed], True)
+            if failed or not success:
+                self.chain.complete_part(name, list(failed) if success else hashes, False)
 
     # --- what the worker found -------------------------------------------
 
