@@ -52,6 +52,13 @@ class AsyncLookups:
             log.exception("remote tier: background lookup failed; answering a miss")
             return 0
 
+    def reset(self, salt: str | None) -> None:
+        """Ask under `salt` from now on; questions asked before are forgotten unanswered."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        self.salt = salt
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every submitted lookup has an answer (for tests and shutdown)."""
         return not wait(list(self._pending.values()), timeout=timeout).not_done

@@ -46,7 +46,9 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
+from kvtier.offload.abstract import reset_tier
 from kvtier.offload.cascade_manager import CascadeOffloadingManager
+from kvtier.remote.remote_manager import epoch_salt
 from kvtier.types import BlockHash
 from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
 
@@ -96,9 +98,12 @@ class KvtierOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         on_close: Callable[[], None] | None = None,
         take_discards: Callable[[], list[BlockHash]] | None = None,
+        delete_files: Callable[[list[BlockHash]], object] | None = None,
     ) -> None:
         """`take_discards`: disk files the local tier let go of since the last job (the
-        worker deletes them in order, before the job that may reuse their slots)."""
+        worker deletes them in order, before the job that may reuse their slots);
+        `delete_files`: deletes disk files from here, for what must be gone before any
+        job comes (a reset) or when none will (shutdown)."""
         self.local = local
         lookup_one = getattr(local, "lookup_one", None)  # the CPU manager's, list-free
         self._local_hit: Callable[[BlockHash], bool] = lookup_one or (
@@ -108,6 +113,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self.enable_events = enable_events
         self._on_close = on_close
         self._take_discards = take_discards or list
+        self._delete_files = delete_files
+        self._carried: list[BlockHash] = []  # discards taken early, still for the worker
+        self.epoch = 0  # resets so far: the shared tier's key namespace (see reset_cache)
         # vLLM completes a load with its keys as a set: loads are found by key set
         # (each load: the parts taken from each tier, and the blocks promoted locally)
         self._loads: defaultdict[frozenset[BlockHash], deque[_Load]]
@@ -179,7 +187,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 self._tier(name).complete_load(part)
             raise
         spec.promotion = self._plan_promotion(spec.parts)
-        spec.discards = self._take_discards()  # after the promotion's own disk evictions
+        spec.discards = self._next_discards()  # after the promotion's own disk evictions
         promoted = spec.promotion.block_hashes if spec.promotion is not None else []
         self._loads[frozenset(hashes)].append((taken, promoted))
         return spec
@@ -243,7 +251,7 @@ class KvtierOffloadingManager(OffloadingManager):
             if out is not None:
                 for h in out.block_hashes_to_store:
                     order.setdefault(h, len(order))
-        spec = KvtierStoreSpec(discards=self._take_discards())
+        spec = KvtierStoreSpec(discards=self._next_discards())
         evicted: list[BlockHash] = []
         for name, out in outputs:
             if out is None or not out.block_hashes_to_store:
@@ -304,7 +312,42 @@ class KvtierOffloadingManager(OffloadingManager):
         loads = self._loads.values()
         return {h for queued in loads for taken, _ in queued for _, part in taken for h in part}
 
+    def _next_discards(self) -> list[BlockHash]:
+        carried, self._carried = self._carried, []
+        return carried + self._take_discards()
+
     # --- events, lifecycle ---------------------------------------------------
+
+    def reset_cache(self) -> None:
+        """vLLM's prefix-cache reset (`reset_prefix_cache(reset_connector=True)`, after a
+        weight update): no block stored before it is served by this engine again.
+
+        CPU slots are freed and disk blocks forgotten at once, and their files deleted
+        from here before the call returns, so that not even a crash right after can
+        bring them back; the worker hears of them with the next job (its byte budget).
+        The shared tier moves to the next key epoch (`epoch_salt`): keys written before
+        are never read again, and Redis evicts them as they age. vLLM drops every job
+        of before the reset (never completing it here) and has the worker finish them
+        before any later job reuses their slots; what those jobs write to disk is
+        deleted by the discards that precede the next job in the worker's queue.
+        """
+        reset_tier(self.local)
+        if self.remote is not None:
+            self.epoch += 1
+            reset = getattr(self.remote, "reset_cache", None)
+            if reset is None:
+                raise TypeError(f"{type(self.remote).__name__} cannot reset its key epoch")
+            reset(epoch_salt(self.epoch))
+        self._loads.clear()
+        self._storing.clear()
+        self._found.clear()
+        self._failed_stores.clear()
+        self._failed_loads.clear()
+        self._to_forget.clear()
+        discards = self._next_discards()
+        if self._delete_files is not None:
+            self._delete_files(discards)
+        self._carried = discards
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         tiers = [self.local] if self.remote is None else [self.local, self.remote]
@@ -321,6 +364,11 @@ class KvtierOffloadingManager(OffloadingManager):
                 )
 
     def shutdown(self) -> None:
+        """vLLM shuts the worker down first: files the worker was never told to delete
+        (a reset or evictions since the last job) are deleted here, or a restart would
+        find them."""
+        if self._delete_files is not None:
+            self._delete_files(self._next_discards())
         if self._on_close is not None:
             self._on_close()
             self._on_close = None

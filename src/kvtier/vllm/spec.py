@@ -28,7 +28,7 @@ from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.offload.disk_manager import DiskOffloadingManager
-from kvtier.store.diskformat import BlockHeader, hash_of
+from kvtier.store.diskformat import DIR_PREFIX, BlockHeader, delete_block_files, hash_of
 from kvtier.store.layout import KVLayout
 from kvtier.types import BlockHash
 from kvtier.vllm.extra_config import KvtierVllmConfig, parse_extra_config
@@ -143,7 +143,13 @@ class KvtierOffloadingSpec(OffloadingSpec):
             enable_events=events,
             on_close=tier.close if tier is not None else None,
             take_discards=take_discards,
+            delete_files=self._delete_files if cfg.disk_path is not None else None,
         )
+
+    def _delete_files(self, block_hashes: list[BlockHash]) -> None:
+        if self.kvtier.disk_path is not None and block_hashes:
+            directory = Path(self.kvtier.disk_path) / f"{DIR_PREFIX}{self.layout.fingerprint}"
+            delete_block_files(directory, block_hashes)
 
     def _open_remote(self) -> Any:
         cfg = self.kvtier
@@ -208,8 +214,6 @@ def recovered_blocks(disk_path: str, layout: KVLayout) -> list[BlockHash]:
     """Block files of `layout` under `disk_path`, oldest first, as the worker's recovery
     left them (the worker opens the directory, and recovers it, before the scheduler
     is built). Read only: the scheduler side never deletes behind the worker."""
-    from kvtier.store.diskformat import DIR_PREFIX
-
     directory = Path(disk_path) / f"{DIR_PREFIX}{layout.fingerprint}"
     size = BlockHeader.size_for(32) + layout.bytes_per_block
     found: list[tuple[int, BlockHash]] = []
