@@ -80,3 +80,62 @@ def test_a_reset_forgets_every_tier_and_reports_the_removals(
         assert [engine.block_bytes(i) for i in (0, 1)] == [data[6], data[7]]
     finally:
         next(server_cm, None)
+
+
+def shut_down(engine: Engine) -> None:
+    """As vLLM's engine core does: the worker (executor) first, then the scheduler."""
+    engine.worker.shutdown()
+    engine.manager.shutdown()
+
+
+def test_a_clean_shutdown_keeps_the_cpu_tier_on_disk_for_a_restart(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    extra = {
+        "cpu_bytes_to_use": 4 * BLOCK_BYTES,
+        "disk_path": str(tmp_path),
+        "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
+    }  # disk_writes: the default, demote
+    first = Engine(extra)
+    keys = keys_of(6)
+    data = first.compute(list(range(6)), seed=3)
+    for i, key in enumerate(keys):  # the first two are demoted, the last four stay in CPU
+        first.store([key], [i])
+    assert len(block_files(tmp_path)) == 2
+    shut_down(first)
+    assert len(block_files(tmp_path)) == 6  # the CPU tier's four were flushed
+
+    second = Engine(extra)
+    assert second.hits(keys) == 6
+    errors, report = second.load(keys, list(range(10, 16)))
+    assert not errors and not report
+    assert [second.block_bytes(i) for i in range(10, 16)] == list(data.values())
+
+    # a reset, then a shutdown before any job: nothing of before the reset survives
+    second.manager.reset_cache()
+    shut_down(second)
+    assert not block_files(tmp_path)
+    third = Engine(extra)
+    engines.append(third)
+    assert third.hits(keys) == 0
+
+
+def test_a_flush_writes_only_what_the_cpu_tier_holds_after_a_reset(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    extra = {
+        "cpu_bytes_to_use": 4 * BLOCK_BYTES,
+        "disk_path": str(tmp_path),
+        "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
+    }
+    engine = Engine(extra)
+    old, new = keys_of(3), keys_of(1, start=10)
+    engine.compute([0, 1, 2, 3], seed=4)
+    engine.store(old, [0, 1, 2])
+    engine.manager.reset_cache()
+    engine.store(new, [3])  # the job of the new epoch: the worker forgets the old slots
+    assert engine.worker.flush_to_disk() == 1
+    shut_down(engine)
+    restarted = Engine(extra)
+    engines.append(restarted)
+    assert restarted.hits(new) == 1 and restarted.hits(old) == 0

@@ -397,6 +397,11 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
         self._drain()
         return removed
 
+    def held_keys(self) -> list[BlockHash]:
+        """Every key either tier holds (in flight included), each once."""
+        disk = self._disk_core.policy.stored_keys()
+        return list(dict.fromkeys([*self._cpu_slots, *disk]))
+
     def discard_disk_blocks(self, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
         """Forget disk blocks the data plane lost or found corrupt (a disk tier with `discard`)."""
         removed: list[BlockHash] = self._disk_core.discard(list(block_hashes))

@@ -18,7 +18,7 @@ import contextlib
 import operator
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 import xxhash
@@ -306,3 +306,14 @@ def delete_block_files(directory: str | os.PathLike[str], block_hashes: Iterable
     if deleted:
         sync_directory(directory)
     return deleted
+
+
+def delete_block_files_except(directory: str | os.PathLike[str], keep: Set[BlockHash]) -> int:
+    """Delete every block file in `directory` whose block is not in `keep` (durably);
+    returns how many. A missing directory has nothing to delete."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return 0
+    doomed = [h for h in map(hash_of, names) if h is not None and h not in keep]
+    return delete_block_files(directory, doomed)

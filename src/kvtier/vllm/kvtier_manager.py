@@ -99,11 +99,12 @@ class KvtierOffloadingManager(OffloadingManager):
         on_close: Callable[[], None] | None = None,
         take_discards: Callable[[], list[BlockHash]] | None = None,
         delete_files: Callable[[list[BlockHash]], object] | None = None,
+        keep_files: Callable[[set[BlockHash]], object] | None = None,
     ) -> None:
         """`take_discards`: disk files the local tier let go of since the last job (the
         worker deletes them in order, before the job that may reuse their slots);
         `delete_files`: deletes disk files from here, for what must be gone before any
-        job comes (a reset) or when none will (shutdown)."""
+        job comes (a reset); `keep_files`: deletes every disk file but these (shutdown)."""
         self.local = local
         lookup_one = getattr(local, "lookup_one", None)  # the CPU manager's, list-free
         self._local_hit: Callable[[BlockHash], bool] = lookup_one or (
@@ -114,8 +115,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self._on_close = on_close
         self._take_discards = take_discards or list
         self._delete_files = delete_files
+        self._keep_files = keep_files
         self._carried: list[BlockHash] = []  # discards taken early, still for the worker
-        self.epoch = 0  # resets so far: the shared tier's key namespace (see reset_cache)
+        self.epoch = 0  # resets so far: Redis's key namespace, and the worker's (reset_cache)
         # vLLM completes a load with its keys as a set: loads are found by key set
         # (each load: the parts taken from each tier, and the blocks promoted locally)
         self._loads: defaultdict[frozenset[BlockHash], deque[_Load]]
@@ -172,7 +174,7 @@ class KvtierOffloadingManager(OffloadingManager):
         where = (
             [self._where(h) for h in hashes] if self.remote is not None else [LOCAL] * len(hashes)
         )
-        spec = KvtierLoadSpec()
+        spec = KvtierLoadSpec(epoch=self.epoch)
         taken: list[tuple[str, list[BlockHash]]] = []
         try:
             for name in (LOCAL, REMOTE):
@@ -251,7 +253,7 @@ class KvtierOffloadingManager(OffloadingManager):
             if out is not None:
                 for h in out.block_hashes_to_store:
                     order.setdefault(h, len(order))
-        spec = KvtierStoreSpec(discards=self._next_discards())
+        spec = KvtierStoreSpec(discards=self._next_discards(), epoch=self.epoch)
         evicted: list[BlockHash] = []
         for name, out in outputs:
             if out is None or not out.block_hashes_to_store:
@@ -332,8 +334,8 @@ class KvtierOffloadingManager(OffloadingManager):
         deleted by the discards that precede the next job in the worker's queue.
         """
         reset_tier(self.local)
+        self.epoch += 1
         if self.remote is not None:
-            self.epoch += 1
             reset = getattr(self.remote, "reset_cache", None)
             if reset is None:
                 raise TypeError(f"{type(self.remote).__name__} cannot reset its key epoch")
@@ -364,11 +366,14 @@ class KvtierOffloadingManager(OffloadingManager):
                 )
 
     def shutdown(self) -> None:
-        """vLLM shuts the worker down first: files the worker was never told to delete
-        (a reset or evictions since the last job) are deleted here, or a restart would
-        find them."""
-        if self._delete_files is not None:
-            self._delete_files(self._next_discards())
+        """vLLM shuts the worker down first (it has flushed the CPU tier to disk by then):
+        the disk directory is left holding exactly the blocks this side knows, in the
+        CPU tier or on disk. Files the worker was never told to delete (evictions since
+        the last job, a reset with no job after it, blocks the flush wrote from slots a
+        reset let go of) would otherwise come back at a restart."""
+        if self._keep_files is not None and isinstance(self.local, CascadeOffloadingManager):
+            self._next_discards()
+            self._keep_files(set(self.local.held_keys()))
         if self._on_close is not None:
             self._on_close()
             self._on_close = None

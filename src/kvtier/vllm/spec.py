@@ -28,7 +28,13 @@ from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.offload.disk_manager import DiskOffloadingManager
-from kvtier.store.diskformat import DIR_PREFIX, BlockHeader, delete_block_files, hash_of
+from kvtier.store.diskformat import (
+    DIR_PREFIX,
+    BlockHeader,
+    delete_block_files,
+    delete_block_files_except,
+    hash_of,
+)
 from kvtier.store.layout import KVLayout
 from kvtier.types import BlockHash
 from kvtier.vllm.extra_config import KvtierVllmConfig, parse_extra_config
@@ -144,12 +150,18 @@ class KvtierOffloadingSpec(OffloadingSpec):
             on_close=tier.close if tier is not None else None,
             take_discards=take_discards,
             delete_files=self._delete_files if cfg.disk_path is not None else None,
+            keep_files=self._keep_files if cfg.disk_path is not None else None,
         )
 
+    def _disk_directory(self) -> Path:
+        return Path(self.kvtier.disk_path or "") / f"{DIR_PREFIX}{self.layout.fingerprint}"
+
     def _delete_files(self, block_hashes: list[BlockHash]) -> None:
-        if self.kvtier.disk_path is not None and block_hashes:
-            directory = Path(self.kvtier.disk_path) / f"{DIR_PREFIX}{self.layout.fingerprint}"
-            delete_block_files(directory, block_hashes)
+        if block_hashes:
+            delete_block_files(self._disk_directory(), block_hashes)
+
+    def _keep_files(self, block_hashes: set[BlockHash]) -> None:
+        delete_block_files_except(self._disk_directory(), block_hashes)
 
     def _open_remote(self) -> Any:
         cfg = self.kvtier

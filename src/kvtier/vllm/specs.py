@@ -35,8 +35,12 @@ class Part:
 
 @dataclass
 class KvtierStoreSpec(LoadStoreSpec):
+    """`epoch`: the scheduler's count of resets; a job of a later epoch than the worker
+    has seen tells it that every CPU slot it knew of was let go (see the worker's flush)."""
+
     parts: list[Part] = field(default_factory=list)
     discards: list[BlockHash] = field(default_factory=list)
+    epoch: int = 0
 
 
 @dataclass
@@ -47,6 +51,7 @@ class KvtierLoadSpec(LoadStoreSpec):
     parts: list[Part] = field(default_factory=list)
     discards: list[BlockHash] = field(default_factory=list)
     promotion: Part | None = None
+    epoch: int = 0
 
 
 @dataclass
