@@ -92,7 +92,7 @@ class Engine:
         self.worker.wait({job_id})
         (result,) = [r for r in self.worker.get_finished() if r.job_id == job_id]
         meta = KvtierWorkerMetadata(report=self.worker.take_report())
-        if meta.report:
+        if meta.report.worth_sending():  # as KvtierConnector does
             self.manager.apply_worker_report(meta.report)
         return result.success, meta.report
 

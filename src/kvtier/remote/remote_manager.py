@@ -103,6 +103,10 @@ class RemoteOffloadingManager(OffloadingManager):
         """Block until asynchronous lookups have answers; True at once when synchronous."""
         return self._async.wait(timeout) if self._async is not None else True
 
+    def take_lookup_seconds(self) -> list[float]:
+        """Seconds of each asynchronous lookup's round trip since the last call."""
+        return self._async.take_seconds() if self._async is not None else []
+
     def close(self) -> None:
         """Stop the background lookup thread, if any (the store is the tier's to close)."""
         if self._async is not None:

@@ -110,7 +110,7 @@ class KvtierConnector(OffloadingConnector):
         meta = super().build_connector_worker_meta()
         worker = self._kvtier_worker()
         report = worker.take_report() if worker is not None else WorkerReport()
-        if not report:
+        if not report.worth_sending():
             return meta
         if meta is None:
             return KvtierWorkerMetadata(report=report)
@@ -120,7 +120,7 @@ class KvtierConnector(OffloadingConnector):
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, KvtierWorkerMetadata) and meta.report:
+        if isinstance(meta, KvtierWorkerMetadata) and meta.report.worth_sending():
             manager = self.scheduler.manager
             if hasattr(manager, "apply_worker_report"):
                 manager.apply_worker_report(meta.report)

@@ -33,6 +33,9 @@ import logging
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -47,10 +50,11 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.offload.abstract import reset_tier
-from kvtier.offload.cascade_manager import CascadeOffloadingManager
+from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeOffloadingManager, _core
 from kvtier.remote.remote_manager import epoch_salt
 from kvtier.types import BlockHash
 from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
+from kvtier.vllm.tier_stats import TierStats
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +104,14 @@ class KvtierOffloadingManager(OffloadingManager):
         take_discards: Callable[[], list[BlockHash]] | None = None,
         delete_files: Callable[[list[BlockHash]], object] | None = None,
         keep_files: Callable[[set[BlockHash]], object] | None = None,
+        block_bytes: int = 0,
+        file_bytes: int = 0,
     ) -> None:
         """`take_discards`: disk files the local tier let go of since the last job (the
         worker deletes them in order, before the job that may reuse their slots);
         `delete_files`: deletes disk files from here, for what must be gone before any
-        job comes (a reset); `keep_files`: deletes every disk file but these (shutdown)."""
+        job comes (a reset); `keep_files`: deletes every disk file but these (shutdown);
+        `block_bytes`, `file_bytes`: one block's bytes, and its disk file's (metrics)."""
         self.local = local
         lookup_one = getattr(local, "lookup_one", None)  # the CPU manager's, list-free
         self._local_hit: Callable[[BlockHash], bool] = lookup_one or (
@@ -129,6 +136,14 @@ class KvtierOffloadingManager(OffloadingManager):
         self._to_forget: set[BlockHash] = set()
         self.load_failures = 0
         self.store_failures = 0
+        if isinstance(local, CascadeOffloadingManager):
+            tiers = {"cpu": _core(local.cpu), "disk": _core(local.disk)}
+        else:
+            tiers = {"cpu": _core(local)}
+        self._local_label = "disk" if "disk" in tiers else "cpu"
+        self.tier_stats = TierStats(
+            tiers, block_bytes=block_bytes, file_bytes=file_bytes, remote=remote
+        )
 
     def _tier(self, name: str) -> KvtierManager:
         manager = self.local if name == LOCAL else self.remote
@@ -150,11 +165,16 @@ class KvtierOffloadingManager(OffloadingManager):
         if self._local_hit(block_hash):
             return self._hit(block_hash, LOCAL)
         if self._found.get(block_hash) == REMOTE:
-            return LookupResult.HIT
-        found = self.remote.lookup([block_hash])
-        if found is None:
-            return LookupResult.RETRY
-        return self._hit(block_hash, REMOTE) if found else LookupResult.MISS
+            found: int | None = 1
+        else:
+            found = self.remote.lookup([block_hash])
+            if found is None:
+                return LookupResult.RETRY
+        self.tier_stats.add("lookup_blocks", "redis", 1)
+        if not found:
+            return LookupResult.MISS
+        self.tier_stats.add("hit_blocks", "redis", 1)
+        return self._hit(block_hash, REMOTE)
 
     def _hit(self, block_hash: BlockHash, tier: str) -> LookupResult:
         self._found[block_hash] = tier
@@ -183,6 +203,7 @@ class KvtierOffloadingManager(OffloadingManager):
                     part = [hashes[i] for i in positions]
                     tier_spec = self._tier(name).prepare_load(part)
                     taken.append((name, part))
+                    self._count_load(name, part, tier_spec)
                     spec.parts.append(Part(name, positions, part, tier_spec))
         except BaseException:  # a tier refused: unpin what the other took
             for name, part in taken:
@@ -284,6 +305,8 @@ class KvtierOffloadingManager(OffloadingManager):
             tier = self._tier(name)
             if ok:
                 tier.complete_store(ok, True)
+                if name == REMOTE:
+                    self.tier_stats.add("store_blocks", "redis", len(ok))
             if len(ok) < len(hashes):
                 tier.complete_store([h for h in hashes if h in failed or not success], False)
 
@@ -291,6 +314,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def apply_worker_report(self, report: WorkerReport) -> None:
         """Failures seen by the worker, applied before vLLM completes their jobs."""
+        self._count_report(report)
         for name, hashes in report.failed_stores.items():
             self.store_failures += 1
             self._failed_stores.update((name, h) for h in hashes)
@@ -303,6 +327,43 @@ class KvtierOffloadingManager(OffloadingManager):
             log.warning("kvtier: %d corrupt disk blocks dropped", len(report.corrupt_blocks))
         self._to_forget.update(report.corrupt_blocks + report.lost_demotions)
         self._forget()
+
+    def _count_report(self, report: WorkerReport) -> None:
+        """The report's part of the per-tier metrics (local store failures and the
+        rest are counted by the managers themselves)."""
+        add = self.tier_stats.add
+        for timed, seconds in report.seconds.items():
+            tier, direction = timed.split(":")
+            add(f"{direction}_time", tier, seconds)
+        add("store_failures", "redis", len(report.failed_stores.get(REMOTE, ())))
+        for hashes in report.failed_loads:
+            add("load_failures", self._load_tier(hashes), len(hashes))
+        add("corrupt_blocks", "disk", len(report.corrupt_blocks))
+        add("corrupt_blocks", "redis", report.remote_corrupt)
+        add("store_failures", "disk", len(report.lost_demotions))
+
+    def _count_load(self, name: str, part: list[BlockHash], spec: object) -> None:
+        add = self.tier_stats.add
+        if name == REMOTE:
+            add("load_blocks", "redis", len(part))
+        elif isinstance(spec, CascadeLoadSpec):  # (the disk manager also counts demotion pins)
+            add("load_blocks", "cpu", len(spec.cpu_positions))
+            add("load_blocks", "disk", len(spec.disk_positions))
+        else:
+            add("load_blocks", "cpu", len(part))
+
+    def _load_tier(self, hashes: list[BlockHash]) -> str:
+        """The tier a failed load part read (its blocks are still pinned by the load)."""
+        for queued in self._loads.values():
+            for taken, _ in queued:
+                for name, part in taken:
+                    if hashes and hashes[0] in part:
+                        return "redis" if name == REMOTE else self._local_label
+        return self._local_label
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        """Per-tier counters, occupancy and Redis lookup times for vLLM's `/metrics`."""
+        return self.tier_stats.take()
 
     def _forget(self) -> None:
         """Drop lost disk blocks; one still pinned by its failed load goes at its completion."""

@@ -121,6 +121,19 @@ def _slots_of(part: Part) -> list[tuple[int, BlockHash]]:
     return [(slot, hashes[p]) for slot, p in zip(slots.tolist(), positions, strict=True)]
 
 
+def _medium_of(part: Part) -> str:
+    """The tier a part's transfer is timed under: a cascade job that touches the disk
+    (a read, a write-through, a demotion) is the disk's, its time being the disk's."""
+    spec = part.spec
+    if part.tier == REMOTE:
+        return "redis"
+    if isinstance(spec, CascadeLoadSpec):
+        return "disk" if spec.disk_positions or spec.demotion is not None else "cpu"
+    if isinstance(spec, CascadeStoreSpec):
+        return "disk" if spec.disk is not None or spec.demotion is not None else "cpu"
+    return "cpu"
+
+
 @dataclass
 class _Job:
     """A vLLM job: its kvtier parts still running, and how it went so far."""
@@ -197,6 +210,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         # shutdown; cleared when a job of a later reset epoch arrives
         self._slots: dict[int, BlockHash] = {}
         self._epoch = 0
+        self._remote_corrupt = 0  # the remote store's corrupt_blocks already reported
 
     # --- submission ----------------------------------------------------------
 
@@ -244,6 +258,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
             with self._lock:
                 self._report.corrupt_blocks += corrupt
                 self._report.lost_demotions += lost
+        if self.remote_tier is not None:
+            refused = self.remote_tier.stats.corrupt_blocks
+            with self._lock:
+                self._report.remote_corrupt += refused - self._remote_corrupt
+                self._remote_corrupt = refused
         with self._lock:
             results, self._results = self._results, []
         return results
@@ -252,7 +271,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         for tier, worker in list(self.workers.items()):
             for result in worker.get_finished():
                 self._log_transfer(tier, result.job_id, result.ok, result.bytes, result.seconds)
-                self._settle(tier, result.job_id, result.ok, result.bytes)
+                self._settle(tier, result.job_id, result.ok, result.bytes, result.seconds)
 
     def _log_transfer(self, tier: str, sub: int, ok: bool, nbytes: int, seconds: float) -> None:
         """One JSON line per tier job to `$KVTIER_TRANSFER_LOG`, when set: each copy's own
@@ -270,7 +289,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         with open(self._transfer_log, "a") as log_file:
             log_file.write(json.dumps(line) + "\n")
 
-    def _settle(self, tier: str, sub: int, ok: bool, nbytes: int) -> None:
+    def _settle(self, tier: str, sub: int, ok: bool, nbytes: int, seconds: float = 0.0) -> None:
         promote: tuple[int, Part, npt.NDArray[np.int64]] | None = None
         with self._lock:
             job_id = self._owner.pop((tier, sub), None)
@@ -279,6 +298,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
             job.bytes += nbytes
+            direction = "load" if job.is_load and part is not job.promotion else "store"
+            timed = f"{_medium_of(part)}:{direction}"
+            self._report.seconds[timed] = self._report.seconds.get(timed, 0.0) + seconds
             loaded_remote = job.is_load and tier == REMOTE
             if not ok:  # the slots it wrote (a store, a promotion) hold nothing to flush
                 self._forget_slots(part)

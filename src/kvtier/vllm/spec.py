@@ -76,6 +76,13 @@ def layout_for(config: OffloadingConfig) -> KVLayout:
 
 
 class KvtierOffloadingSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """kvtier's per-tier metrics (`kvtier.offload.tier_metrics`), for vLLM's `/metrics`."""
+        from kvtier.vllm.tier_stats import metric_definitions
+
+        return {**super().build_metric_definitions(extra_config), **metric_definitions()}
+
     def __init__(self, config: OffloadingConfig) -> None:
         check_vllm_version()
         super().__init__(config)
@@ -151,6 +158,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
             take_discards=take_discards,
             delete_files=self._delete_files if cfg.disk_path is not None else None,
             keep_files=self._keep_files if cfg.disk_path is not None else None,
+            block_bytes=self.layout.bytes_per_block,
+            file_bytes=BlockHeader.size_for(32) + self.layout.bytes_per_block,
         )
 
     def _disk_directory(self) -> Path:
