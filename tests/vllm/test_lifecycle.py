@@ -95,7 +95,8 @@ def test_a_clean_shutdown_keeps_the_cpu_tier_on_disk_for_a_restart(
         "cpu_bytes_to_use": 4 * BLOCK_BYTES,
         "disk_path": str(tmp_path),
         "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
-    }  # disk_writes: the default, demote
+        "disk_writes": "demote",  # the CPU tier reaches disk only when it evicts
+    }
     first = Engine(extra)
     keys = keys_of(6)
     data = first.compute(list(range(6)), seed=3)
@@ -127,6 +128,7 @@ def test_a_flush_writes_only_what_the_cpu_tier_holds_after_a_reset(
         "cpu_bytes_to_use": 4 * BLOCK_BYTES,
         "disk_path": str(tmp_path),
         "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
+        "disk_writes": "demote",
     }
     engine = Engine(extra)
     old, new = keys_of(3), keys_of(1, start=10)

@@ -37,6 +37,7 @@ def test_stats_count_each_tier_and_report_increments(engines: list[Engine], tmp_
             "disk_path": str(tmp_path / "disk"),
             "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
             "redis_url": server.url,
+            "disk_writes": "demote",
         }
         engine = Engine(extra)
         engines.append(engine)
