@@ -268,6 +268,17 @@ def test_bad_config_fails_at_start(extra: dict[str, Any], message: str) -> None:
         KvtierOffloadingSpec(spec_config(extra))
 
 
+def test_a_bad_key_fails_while_vllm_builds_its_config() -> None:
+    """vLLM asks the connector class while building its config, before any process
+    starts (with full CUDA graphs: vLLM's GPU default); kvtier checks its keys there."""
+    from kvtier.vllm.connector import KvtierConnector
+
+    extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm"}
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key 'cpu_byte"):
+        KvtierConnector.requires_piecewise_for_cudagraph(extra | {"cpu_bytes": 1})
+    assert not KvtierConnector.requires_piecewise_for_cudagraph(extra | {"cpu_bytes_to_use": 1})
+
+
 def test_an_idle_step_waits_for_the_oldest_load(engines: list[Engine]) -> None:
     engine = Engine({"cpu_bytes_to_use": 4 * BLOCK_BYTES, "cpu_copy_threads": 3})
     engines.append(engine)
