@@ -433,8 +433,18 @@ class KvtierOffloadingManager(OffloadingManager):
         the last job, a reset with no job after it, blocks the flush wrote from slots a
         reset let go of) would otherwise come back at a restart."""
         if self._keep_files is not None and isinstance(self.local, CascadeOffloadingManager):
-            self._next_discards()
-            self._keep_files(set(self.local.held_keys()))
+            discards = self._next_discards()
+            try:  # never keep vLLM from stopping
+                try:
+                    keep = set(self.local.held_keys())
+                except NotImplementedError as exc:  # a policy that cannot list its keys
+                    log.warning("kvtier: only evicted disk blocks deleted at shutdown: %s", exc)
+                    if self._delete_files is not None:
+                        self._delete_files(discards)
+                else:
+                    self._keep_files(keep)
+            except OSError as exc:
+                log.warning("kvtier: disk directory not tidied at shutdown: %s", exc)
         if self._on_close is not None:
             self._on_close()
             self._on_close = None
