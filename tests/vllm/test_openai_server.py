@@ -228,6 +228,9 @@ def test_a_reset_over_http_makes_kvtier_forget(server_scenario: ServerScenario) 
     assert s.reset == {"success": True}
     assert s.after_reset.cached_tokens == 0  # recomputed: no tier served it
     assert s.after_reset.text == s.first.text
+    # the disk tier never filled: its removals are the reset's, reported as events
+    removed = {(e.medium, e.locality) for e in s.events if e.kind == "BlockRemoved"}
+    assert {("CPU", "LOCAL"), ("STORAGE", "LOCAL")} <= removed
 
 
 def test_a_restart_after_sigterm_serves_the_cpu_tier_from_disk(
