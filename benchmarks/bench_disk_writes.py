@@ -84,7 +84,7 @@ def run_stream(root: Path, mode: str, cpu_blocks: int, num_jobs: int, seed: int)
             cascade.complete_store(out.block_hashes_to_store)
         total_s = time.perf_counter() - started
         files = len(list(disk.directory.glob("*.kv")))
-        in_cpu_only = sum(1 for h in cascade._cpu_slots if cascade._disk_core.get_block(h) is None)
+        in_cpu_only = sum(1 for h in cascade.held_keys() if h not in disk)
     finally:
         worker.close()
         disk.close()
