@@ -192,7 +192,10 @@ LOCAL_STACKS = {
     "cpu+filter": ({"store_threshold": 2}, {"store_threshold": 2}),
     "cpu+disk demote": ({"disk_writes": "demote"}, {"disk_writes": "demote"}),
     "cpu+disk write_through": ({"disk_writes": "write_through"}, {"disk_writes": "write_through"}),
-    "cpu+disk+filter": ({"store_threshold": 3}, {"store_threshold": 3}),
+    "cpu+disk+filter": (
+        {"store_threshold": 3, "disk_writes": "demote"},
+        {"store_threshold": 3, "disk_writes": "demote"},
+    ),
 }
 
 

@@ -57,6 +57,15 @@ class TierChain(OffloadingManager):
         self._loads = defaultdict(deque)
         self._stores: dict[BlockHash, list[int]] = {}  # in flight -> tiers storing it
 
+    def forget(self) -> None:
+        """Drop what the chain knows of its tiers (they were reset): their contents and
+        the loads and stores in flight, whose completions are then ignored."""
+        for resident in self.resident:
+            resident.clear()
+        self._loads.clear()
+        self._stores.clear()
+        self._last = ([], [])
+
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
         hashes = list(block_hashes)
         runs = self._runs(hashes)
@@ -185,13 +194,16 @@ class TierChain(OffloadingManager):
         gone = [h for h in dict.fromkeys(evicted) if not self._anywhere(h)]
         return PrepareStoreOutput(list(stored), ChainSpec(parts), gone)
 
-    def complete_part(self, name: str, block_hashes: Iterable[BlockHash], success: bool) -> None:
-        """Settle one tier's part of the stores (its own transfer job succeeded or not)."""
+    def complete_part(
+        self, name: str, block_hashes: Iterable[BlockHash], success: bool
+    ) -> list[BlockHash]:
+        """Settle one tier's part of the stores (its own transfer job succeeded or not);
+        the hashes that tier was storing, now settled."""
         k = [n for n, _ in self.tiers].index(name)
         # a hash listed twice is one store (settled once)
         hashes = [h for h in dict.fromkeys(block_hashes) if k in self._stores.get(h, ())]
         if not hashes:  # this tier stores none of them
-            return
+            return hashes
         for h in hashes:
             self._stores[h].remove(k)
             if not self._stores[h]:
@@ -199,6 +211,7 @@ class TierChain(OffloadingManager):
         self.tiers[k][1].complete_store(hashes, success)
         if success:
             self.resident[k].update(hashes)
+        return hashes
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Settle every tier's part of the stores of these hashes."""

@@ -57,7 +57,9 @@ class TierConfig:
     cpu_copy_threads: int = 2
     disk_path: str | None = None
     disk_bytes_to_use: int | None = None
-    disk_writes: DiskWrites = "demote"
+    # every CPU store also written to disk: a restart (after any shutdown, even a kill)
+    # finds the CPU tier's blocks; measured in benchmarks/bench_disk_writes.py (README)
+    disk_writes: DiskWrites = "write_through"
     disk_fsync: bool = True
     disk_io_threads: int = 2
     redis_url: str | None = None

@@ -254,6 +254,29 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
             )
         return removed
 
+    def reset_cache(self) -> list[BlockHash]:
+        """Forget every block, pinned and in flight included, and free every slot.
+
+        For a prefix-cache reset (new weights): no block stored before it may be served
+        again. Whoever pinned a block or has a store in flight must not complete it
+        afterwards (vLLM drops the jobs of before a reset); the caller also waits for the
+        data plane to finish with the freed slots before reusing them (vLLM flushes its
+        jobs before the next). The policy keeps what it learned about access patterns
+        (ghosts, reuse history): those are about keys, not about the bytes. Returns the
+        keys forgotten, also listed in one removal event.
+        """
+        keys = self.policy.stored_keys()
+        blocks = [b for b in self._get_many(keys) if b is not None]
+        remove = self.policy.remove
+        for key in keys:
+            remove(key)
+        self.backend.free_blocks(blocks)
+        self._num_present = 0
+        if keys and self.events is not None:
+            backend = self.backend
+            self.events.append(OffloadingEvent(keys, backend.block_size, backend.medium, True))
+        return keys
+
     @property
     def _policy(self) -> CachePolicy:
         """vLLM's name for `policy` (its tests and tools that inspect a policy read it)."""

@@ -18,7 +18,7 @@ import contextlib
 import operator
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 import xxhash
@@ -302,3 +302,31 @@ def sync_directory(directory: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def delete_block_files(directory: str | os.PathLike[str], block_hashes: Iterable[BlockHash]) -> int:
+    """Delete these blocks' files from `directory` and make that durable; returns how
+    many existed. For a holder other than the directory's `DiskStore` (a scheduler
+    fencing blocks off at a reset, before the store hears of it): absent files are
+    fine, a file that cannot be deleted raises (a reset must not pass silently)."""
+    deleted = 0
+    for block_hash in block_hashes:
+        try:
+            os.unlink(os.path.join(directory, file_name(block_hash)))
+            deleted += 1
+        except FileNotFoundError:
+            pass
+    if deleted:
+        sync_directory(directory)
+    return deleted
+
+
+def delete_block_files_except(directory: str | os.PathLike[str], keep: Set[BlockHash]) -> int:
+    """Delete every block file in `directory` whose block is not in `keep` (durably);
+    returns how many. A missing directory has nothing to delete."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return 0
+    doomed = [h for h in map(hash_of, names) if h is not None and h not in keep]
+    return delete_block_files(directory, doomed)

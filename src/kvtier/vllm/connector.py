@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
+from kvtier.vllm.extra_config import parse_extra_config
 from kvtier.vllm.spec import UNDER_KVTIER_CONNECTOR
 from kvtier.vllm.specs import WorkerReport
 from kvtier.vllm.version import check_vllm_version
@@ -81,6 +82,18 @@ class KvtierConnector(OffloadingConnector):
                 transfer.kv_load_failure_policy,
             )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """The earliest call vLLM makes into a connector class: while it builds its
+        config, in the process that parses the command line, before any engine or worker
+        process starts (on builds with full CUDA graphs, vLLM's GPU default). A bad
+        `kv_connector_extra_config` stops the start there, with one message naming the
+        key, instead of in the middle of a worker's traceback. kvtier's connector runs
+        no layer-wise transfers: CUDA graphs need no piecewise mode for it."""
+        if extra_config.get("spec_name") == "KvtierOffloadingSpec":
+            parse_extra_config(extra_config)
+        return False
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
         # no attention metadata: vLLM runs this step only for the connector (every
@@ -110,7 +123,7 @@ class KvtierConnector(OffloadingConnector):
         meta = super().build_connector_worker_meta()
         worker = self._kvtier_worker()
         report = worker.take_report() if worker is not None else WorkerReport()
-        if not report:
+        if not report.worth_sending():
             return meta
         if meta is None:
             return KvtierWorkerMetadata(report=report)
@@ -120,7 +133,7 @@ class KvtierConnector(OffloadingConnector):
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, KvtierWorkerMetadata) and meta.report:
+        if isinstance(meta, KvtierWorkerMetadata) and meta.report.worth_sending():
             manager = self.scheduler.manager
             if hasattr(manager, "apply_worker_report"):
                 manager.apply_worker_report(meta.report)

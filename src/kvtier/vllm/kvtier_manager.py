@@ -35,6 +35,9 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -49,9 +52,12 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.connector.chain import ChainSpec, TierChain
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
-from kvtier.offload.cascade_manager import CascadeOffloadingManager
+from kvtier.offload.abstract import reset_tier
+from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeOffloadingManager, _core
+from kvtier.remote.remote_manager import epoch_salt
 from kvtier.types import BlockHash
 from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
+from kvtier.vllm.tier_stats import TierStats
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +126,16 @@ class KvtierOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         on_close: Callable[[], None] | None = None,
         take_discards: Callable[[], list[BlockHash]] | None = None,
+        delete_files: Callable[[list[BlockHash]], object] | None = None,
+        keep_files: Callable[[set[BlockHash]], object] | None = None,
+        block_bytes: int = 0,
+        file_bytes: int = 0,
     ) -> None:
         """`take_discards`: disk files the local tier let go of since the last job (the
-        worker deletes them in order, before the job that may reuse their slots)."""
+        worker deletes them in order, before the job that may reuse their slots);
+        `delete_files`: deletes disk files from here, for what must be gone before any
+        job comes (a reset); `keep_files`: deletes every disk file but these (shutdown);
+        `block_bytes`, `file_bytes`: one block's bytes, and its disk file's (metrics)."""
         self.local = local
         lookup_one = getattr(local, "lookup_one", None)  # the CPU manager's, list-free
         self._local_hit: Callable[[BlockHash], bool] = lookup_one or (
@@ -132,6 +145,10 @@ class KvtierOffloadingManager(OffloadingManager):
         self.enable_events = enable_events
         self._on_close = on_close
         self._take_discards = take_discards or list
+        self._delete_files = delete_files
+        self._keep_files = keep_files
+        self._carried: list[BlockHash] = []  # discards taken early, still for the worker
+        self.epoch = 0  # resets so far: Redis's key namespace, and the worker's (reset_cache)
         # vLLM completes a load with its keys as a set: loads are found by key set
         # (each load: the parts taken from each tier, and the blocks promoted locally)
         self._loads: defaultdict[frozenset[BlockHash], deque[_Load]]
@@ -145,6 +162,14 @@ class KvtierOffloadingManager(OffloadingManager):
         self._to_forget: set[BlockHash] = set()
         self.load_failures = 0
         self.store_failures = 0
+        if isinstance(local, CascadeOffloadingManager):
+            tiers = {"cpu": _core(local.cpu), "disk": _core(local.disk)}
+        else:
+            tiers = {"cpu": _core(local)}
+        self._local_label = "disk" if "disk" in tiers else "cpu"
+        self.tier_stats = TierStats(
+            tiers, block_bytes=block_bytes, file_bytes=file_bytes, remote=remote
+        )
 
     def _tier(self, name: str) -> KvtierManager:
         manager = self.local if name == LOCAL else self.remote
@@ -166,11 +191,16 @@ class KvtierOffloadingManager(OffloadingManager):
         if self._local_hit(block_hash):
             return self._hit(block_hash, LOCAL)
         if self._found.get(block_hash) == REMOTE:
-            return LookupResult.HIT
-        found = self.remote.lookup([block_hash])
-        if found is None:
-            return LookupResult.RETRY
-        return self._hit(block_hash, REMOTE) if found else LookupResult.MISS
+            found: int | None = 1
+        else:
+            found = self.remote.lookup([block_hash])
+            if found is None:
+                return LookupResult.RETRY
+        self.tier_stats.add("lookup_blocks", "redis", 1)
+        if not found:
+            return LookupResult.MISS
+        self.tier_stats.add("hit_blocks", "redis", 1)
+        return self._hit(block_hash, REMOTE)
 
     def _hit(self, block_hash: BlockHash, tier: str) -> LookupResult:
         self._found[block_hash] = tier
@@ -190,7 +220,7 @@ class KvtierOffloadingManager(OffloadingManager):
         where = (
             [self._where(h) for h in hashes] if self.remote is not None else [LOCAL] * len(hashes)
         )
-        spec = KvtierLoadSpec()
+        spec = KvtierLoadSpec(epoch=self.epoch)
         taken: list[tuple[str, list[BlockHash]]] = []
         try:
             for name in (LOCAL, REMOTE):
@@ -199,6 +229,7 @@ class KvtierOffloadingManager(OffloadingManager):
                     part = [hashes[i] for i in positions]
                     tier_spec = self._tier(name).prepare_load(part)
                     taken.append((name, part))
+                    self._count_load(name, part, tier_spec)
                     spec.parts.append(Part(name, positions, part, tier_spec))
         except BaseException:  # a tier refused: unpin what the other took
             for name, part in taken:
@@ -206,7 +237,7 @@ class KvtierOffloadingManager(OffloadingManager):
             raise
         _use_of(req_context).loaded += hashes
         spec.promotion = self._plan_promotion(spec.parts)
-        spec.discards = self._take_discards()  # after the promotion's own disk evictions
+        spec.discards = self._next_discards()  # after the promotion's own disk evictions
         promoted = spec.promotion.block_hashes if spec.promotion is not None else []
         self._loads[frozenset(hashes)].append((taken, promoted))
         return spec
@@ -276,7 +307,7 @@ class KvtierOffloadingManager(OffloadingManager):
         if out is None:
             return None
         order = {h: i for i, h in enumerate(out.block_hashes_to_store)}
-        spec = KvtierStoreSpec(discards=self._take_discards())
+        spec = KvtierStoreSpec(discards=self._next_discards(), epoch=self.epoch)
         for name, part, tier_spec in cast(ChainSpec, out.store_spec).parts:
             if part:
                 spec.parts.append(Part(name, [order[h] for h in part], part, tier_spec))
@@ -294,7 +325,10 @@ class KvtierOffloadingManager(OffloadingManager):
             failed = {h for h in hashes if (name, h) in self._failed_stores}
             self._failed_stores.difference_update((name, h) for h in failed)
             if success and len(failed) < len(hashes):
-                self.chain.complete_part(name, [h for h in hashes if h not in failed], True)
+                ok = [h for h in hashes if h not in failed]
+                settled = self.chain.complete_part(name, ok, True)
+                if name == REMOTE:
+                    self.tier_stats.add("store_blocks", "redis", len(settled))
             if failed or not success:
                 self.chain.complete_part(name, list(failed) if success else hashes, False)
 
@@ -302,6 +336,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def apply_worker_report(self, report: WorkerReport) -> None:
         """Failures seen by the worker, applied before vLLM completes their jobs."""
+        self._count_report(report)
         for name, hashes in report.failed_stores.items():
             self.store_failures += 1
             self._failed_stores.update((name, h) for h in hashes)
@@ -315,6 +350,43 @@ class KvtierOffloadingManager(OffloadingManager):
         self._to_forget.update(report.corrupt_blocks + report.lost_demotions)
         self._forget()
 
+    def _count_report(self, report: WorkerReport) -> None:
+        """The report's part of the per-tier metrics (local store failures and the
+        rest are counted by the managers themselves)."""
+        add = self.tier_stats.add
+        for timed, seconds in report.seconds.items():
+            tier, direction = timed.split(":")
+            add(f"{direction}_time", tier, seconds)
+        add("store_failures", "redis", len(report.failed_stores.get(REMOTE, ())))
+        for hashes in report.failed_loads:
+            add("load_failures", self._load_tier(hashes), len(hashes))
+        add("corrupt_blocks", "disk", len(report.corrupt_blocks))
+        add("corrupt_blocks", "redis", report.remote_corrupt)
+        add("store_failures", "disk", len(report.lost_demotions))
+
+    def _count_load(self, name: str, part: list[BlockHash], spec: object) -> None:
+        add = self.tier_stats.add
+        if name == REMOTE:
+            add("load_blocks", "redis", len(part))
+        elif isinstance(spec, CascadeLoadSpec):  # (the disk manager also counts demotion pins)
+            add("load_blocks", "cpu", len(spec.cpu_positions))
+            add("load_blocks", "disk", len(spec.disk_positions))
+        else:
+            add("load_blocks", "cpu", len(part))
+
+    def _load_tier(self, hashes: list[BlockHash]) -> str:
+        """The tier a failed load part read (its blocks are still pinned by the load)."""
+        for queued in self._loads.values():
+            for taken, _ in queued:
+                for name, part in taken:
+                    if hashes and hashes[0] in part:
+                        return "redis" if name == REMOTE else self._local_label
+        return self._local_label
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        """Per-tier counters, occupancy and Redis lookup times for vLLM's `/metrics`."""
+        return self.tier_stats.take()
+
     def _forget(self) -> None:
         """Drop lost disk blocks; one still pinned by its failed load goes at its completion."""
         if self._to_forget and isinstance(self.local, CascadeOffloadingManager):
@@ -325,7 +397,42 @@ class KvtierOffloadingManager(OffloadingManager):
         loads = self._loads.values()
         return {h for queued in loads for taken, _ in queued for _, part in taken for h in part}
 
+    def _next_discards(self) -> list[BlockHash]:
+        carried, self._carried = self._carried, []
+        return carried + self._take_discards()
+
     # --- events, lifecycle ---------------------------------------------------
+
+    def reset_cache(self) -> None:
+        """vLLM's prefix-cache reset (`reset_prefix_cache(reset_connector=True)`, after a
+        weight update): no block stored before it is served by this engine again.
+
+        CPU slots are freed and disk blocks forgotten at once, and their files deleted
+        from here before the call returns, so that not even a crash right after can
+        bring them back; the worker hears of them with the next job (its byte budget).
+        The shared tier moves to the next key epoch (`epoch_salt`): keys written before
+        are never read again, and Redis evicts them as they age. vLLM drops every job
+        of before the reset (never completing it here) and has the worker finish them
+        before any later job reuses their slots; what those jobs write to disk is
+        deleted by the discards that precede the next job in the worker's queue.
+        """
+        reset_tier(self.local)
+        self.epoch += 1
+        if self.remote is not None:
+            reset = getattr(self.remote, "reset_cache", None)
+            if reset is None:
+                raise TypeError(f"{type(self.remote).__name__} cannot reset its key epoch")
+            reset(epoch_salt(self.epoch))
+        self._loads.clear()
+        self.chain.forget()
+        self._found.clear()
+        self._failed_stores.clear()
+        self._failed_loads.clear()
+        self._to_forget.clear()
+        discards = self._next_discards()
+        if self._delete_files is not None:
+            self._delete_files(discards)
+        self._carried = discards
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         tiers = [self.local] if self.remote is None else [self.local, self.remote]
@@ -342,6 +449,24 @@ class KvtierOffloadingManager(OffloadingManager):
                 )
 
     def shutdown(self) -> None:
+        """vLLM shuts the worker down first (it has flushed the CPU tier to disk by then):
+        the disk directory is left holding exactly the blocks this side knows, in the
+        CPU tier or on disk. Files the worker was never told to delete (evictions since
+        the last job, a reset with no job after it, blocks the flush wrote from slots a
+        reset let go of) would otherwise come back at a restart."""
+        if self._keep_files is not None and isinstance(self.local, CascadeOffloadingManager):
+            discards = self._next_discards()
+            try:  # never keep vLLM from stopping
+                try:
+                    keep = set(self.local.held_keys())
+                except NotImplementedError as exc:  # a policy that cannot list its keys
+                    log.warning("kvtier: only evicted disk blocks deleted at shutdown: %s", exc)
+                    if self._delete_files is not None:
+                        self._delete_files(discards)
+                else:
+                    self._keep_files(keep)
+            except OSError as exc:
+                log.warning("kvtier: disk directory not tidied at shutdown: %s", exc)
         if self._on_close is not None:
             self._on_close()
             self._on_close = None

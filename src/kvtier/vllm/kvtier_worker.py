@@ -38,15 +38,18 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.connector.tier_config import TierConfig
+from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeStoreSpec
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
 from kvtier.transfer.cascade_handler import CascadeHandler
 from kvtier.transfer.device import DeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
+from kvtier.types import BlockHash
 from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
 
 log = logging.getLogger(__name__)
+FLUSH_BATCH = 64  # blocks per disk write of the flush at shutdown
 
 
 class CanonicalDeviceKV(DeviceKV):
@@ -83,6 +86,32 @@ class CanonicalDeviceKV(DeviceKV):
         """Threads for each of kvtier's copying threads' torch ops: on the CPU platform
         vLLM's OpenMP threads hold every core, so one (see `limit_torch_threads`)."""
         return None if self.is_cuda else 1
+
+
+def _slots_of(part: Part) -> list[tuple[int, BlockHash]]:
+    """(CPU slot, block) for each block this local part writes into the CPU tier."""
+    spec = part.spec
+    if isinstance(spec, CascadeStoreSpec) and spec.cpu is not None:
+        slots, positions = spec.cpu.block_ids, spec.cpu_positions
+    elif isinstance(spec, CascadeLoadSpec) and spec.promotion is not None:
+        slots, positions = spec.promotion.block_ids, spec.promotion_positions
+    else:
+        return []
+    hashes = part.block_hashes
+    return [(slot, hashes[p]) for slot, p in zip(slots.tolist(), positions, strict=True)]
+
+
+def _medium_of(part: Part) -> str:
+    """The tier a part's transfer is timed under: a cascade job that touches the disk
+    (a read, a write-through, a demotion) is the disk's, its time being the disk's."""
+    spec = part.spec
+    if part.tier == REMOTE:
+        return "redis"
+    if isinstance(spec, CascadeLoadSpec):
+        return "disk" if spec.disk_positions or spec.demotion is not None else "cpu"
+    if isinstance(spec, CascadeStoreSpec):
+        return "disk" if spec.disk is not None or spec.demotion is not None else "cpu"
+    return "cpu"
 
 
 @dataclass
@@ -157,6 +186,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._report = WorkerReport()
         self._load_errors: set[int] = set()
         self._transfer_log = os.environ.get("KVTIER_TRANSFER_LOG") or None
+        # CPU slot -> the block its last store or promotion wrote, for the flush at
+        # shutdown; cleared when a job of a later reset epoch arrives
+        self._slots: dict[int, BlockHash] = {}
+        self._epoch = 0
+        self._remote_corrupt = 0  # the remote store's corrupt_blocks already reported
 
     # --- submission ----------------------------------------------------------
 
@@ -172,6 +206,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if not isinstance(spec, KvtierStoreSpec | KvtierLoadSpec):
             raise TypeError(f"KvtierOffloadingWorker got a {type(spec).__name__} spec")
         device_ids = np.asarray(gpu.block_ids, dtype=np.int64)
+        promotion = getattr(spec, "promotion", None)
+        self._note_slots(spec.epoch, spec.parts if promotion is None else [*spec.parts, promotion])
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
         job = _Job(is_load, device_ids, getattr(spec, "promotion", None))
@@ -202,6 +238,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
             with self._lock:
                 self._report.corrupt_blocks += corrupt
                 self._report.lost_demotions += lost
+        if self.remote_tier is not None:
+            refused = self.remote_tier.stats.corrupt_blocks
+            with self._lock:
+                self._report.remote_corrupt += refused - self._remote_corrupt
+                self._remote_corrupt = refused
         with self._lock:
             results, self._results = self._results, []
         return results
@@ -210,7 +251,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         for tier, worker in list(self.workers.items()):
             for result in worker.get_finished():
                 self._log_transfer(tier, result.job_id, result.ok, result.bytes, result.seconds)
-                self._settle(tier, result.job_id, result.ok, result.bytes)
+                self._settle(tier, result.job_id, result.ok, result.bytes, result.seconds)
 
     def _log_transfer(self, tier: str, sub: int, ok: bool, nbytes: int, seconds: float) -> None:
         """One JSON line per tier job to `$KVTIER_TRANSFER_LOG`, when set: each copy's own
@@ -228,7 +269,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         with open(self._transfer_log, "a") as log_file:
             log_file.write(json.dumps(line) + "\n")
 
-    def _settle(self, tier: str, sub: int, ok: bool, nbytes: int) -> None:
+    def _settle(self, tier: str, sub: int, ok: bool, nbytes: int, seconds: float = 0.0) -> None:
         promote: tuple[int, Part, npt.NDArray[np.int64]] | None = None
         with self._lock:
             job_id = self._owner.pop((tier, sub), None)
@@ -237,7 +278,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
             job.bytes += nbytes
+            direction = "load" if job.is_load and part is not job.promotion else "store"
+            timed = f"{_medium_of(part)}:{direction}"
+            self._report.seconds[timed] = self._report.seconds.get(timed, 0.0) + seconds
             loaded_remote = job.is_load and tier == REMOTE
+            if not ok:  # the slots it wrote (a store, a promotion) hold nothing to flush
+                self._forget_slots(part)
+                if loaded_remote and job.promotion is not None:
+                    self._forget_slots(job.promotion)
             if not ok and job.is_load and part is not job.promotion:
                 job.ok = False
                 self._report.failed_loads.append(part.block_hashes)
@@ -264,6 +312,51 @@ class KvtierOffloadingWorker(OffloadingWorker):
         success = job.ok or self.report_failures
         seconds = time.perf_counter() - job.started
         self._results.append(TransferResult(job_id, success, job.bytes, seconds))
+
+    # --- the CPU tier's blocks, for the flush at shutdown ----------------------
+
+    def _note_slots(self, epoch: int, parts: list[Part]) -> None:
+        """Record which block each CPU slot of the cascade receives. A job of a later
+        reset epoch first forgets them all: a reset let those slots go."""
+        if self._handler is None:
+            return  # no disk tier: nothing to flush to
+        with self._lock:
+            if epoch != self._epoch:
+                self._slots.clear()
+                self._epoch = epoch
+            for part in parts:
+                self._slots.update(_slots_of(part))
+
+    def _forget_slots(self, part: Part) -> None:
+        """A store or promotion failed: its slots' bytes are not the blocks'."""
+        for slot, block_hash in _slots_of(part):
+            if self._slots.get(slot) == block_hash:
+                del self._slots[slot]
+
+    def flush_to_disk(self) -> int:
+        """Write every block of the CPU tier not yet on disk to the disk tier; returns
+        how many. Run at a clean shutdown, after every job is done: with `demote` the
+        CPU tier's blocks reach disk only when evicted, and a restart must find them.
+        Stops, with a warning, when the disk tier is full (it is never written above
+        its budget). Blocks this worker never saw completed are not written."""
+        if self.disk is None or not self.workers:
+            return 0
+        self.wait(set(self._jobs))
+        with self._lock:
+            pending = [(s, h) for s, h in self._slots.items() if h not in self.disk]
+        written = 0
+        for first in range(0, len(pending), FLUSH_BATCH):
+            batch = pending[first : first + FLUSH_BATCH]
+            slots = [slot for slot, _ in batch]
+            try:
+                self.disk.write_parts([h for _, h in batch], self.memory.slot_parts(slots))
+            except OSError as exc:
+                log.warning("kvtier: flush at shutdown stopped after %d blocks: %s", written, exc)
+                break
+            written += len(batch)
+        if pending:
+            log.info("kvtier: flushed %d CPU-tier blocks to disk at shutdown", written)
+        return written
 
     def take_report(self) -> WorkerReport:
         with self._lock:
@@ -303,6 +396,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._poll()
 
     def shutdown(self) -> None:
+        """A clean shutdown: the CPU tier is flushed to disk first (see flush_to_disk)."""
+        try:
+            self.flush_to_disk()
+        except Exception:  # never keep the engine from shutting down
+            log.exception("kvtier: flush of the CPU tier at shutdown failed")
         for worker in self.workers.values():
             worker.close()
         self.workers = {}

@@ -17,7 +17,8 @@ the engine at start with one message.
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -25,6 +26,12 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvtier.connector.tier_config import TierConfig
 from kvtier.connector.tier_stack import DiskBacking, StackConfig, build_tiers
 from kvtier.store.diskdir import list_blocks
+from kvtier.store.diskformat import (
+    block_file_bytes,
+    delete_block_files,
+    delete_block_files_except,
+    directory_name,
+)
 from kvtier.store.layout import KVLayout
 from kvtier.types import BlockHash
 from kvtier.vllm.extra_config import parse_extra_config
@@ -69,6 +76,13 @@ def layout_for(config: OffloadingConfig) -> KVLayout:
 
 
 class KvtierOffloadingSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """kvtier's per-tier metrics (`kvtier.offload.tier_metrics`), for vLLM's `/metrics`."""
+        from kvtier.vllm.tier_stats import metric_definitions
+
+        return {**super().build_metric_definitions(extra_config), **metric_definitions()}
+
     def __init__(self, config: OffloadingConfig) -> None:
         check_vllm_version()
         super().__init__(config)
@@ -120,7 +134,21 @@ class KvtierOffloadingSpec(OffloadingSpec):
             enable_events=self.stack_config.enable_events,
             on_close=tiers.close,
             take_discards=take_discards,
+            delete_files=self._delete_files if cfg.disk_path is not None else None,
+            keep_files=self._keep_files if cfg.disk_path is not None else None,
+            block_bytes=self.layout.bytes_per_block,
+            file_bytes=block_file_bytes(self.layout.bytes_per_block),
         )
+
+    def _disk_directory(self) -> Path:
+        return Path(self.kvtier.disk_path or "") / directory_name(self.layout.fingerprint)
+
+    def _delete_files(self, block_hashes: list[BlockHash]) -> None:
+        if block_hashes:
+            delete_block_files(self._disk_directory(), block_hashes)
+
+    def _keep_files(self, block_hashes: set[BlockHash]) -> None:
+        delete_block_files_except(self._disk_directory(), block_hashes)
 
     def _open_remote(self) -> RemoteTier | None:
         """The worker's own connection to the Redis tier (its data plane)."""

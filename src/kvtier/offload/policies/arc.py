@@ -44,6 +44,10 @@ class ARCCachePolicy(CachePolicy):
     def t2(self) -> RecencyList:
         return self._t2
 
+    def stored_keys(self) -> list[BlockHash]:
+        t1, t2 = self._t1, self._t2
+        return [*t1.order, *t1.parked, *t2.order, *t2.parked]
+
     def get(self, key: BlockHash) -> BlockStatus | None:
         block = self._t1.get(key)
         return self._t2.get(key) if block is None else block

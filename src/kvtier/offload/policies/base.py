@@ -83,6 +83,14 @@ class CachePolicy(ABC):
         """
         return None
 
+    def stored_keys(self) -> list[BlockHash]:
+        """Every stored key, in no promised order: what a reset must forget (the manager
+        has no index of its own). A policy that cannot list them cannot be reset."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not list its keys (CachePolicy.stored_keys), so a "
+            "manager over it cannot reset; implement stored_keys() to allow reset_cache()"
+        )
+
     def ghost_sizes(self) -> tuple[int, ...]:
         """Sizes of the ghost lists, if the policy keeps any (for invariants and tests)."""
         return ()

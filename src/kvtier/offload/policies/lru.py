@@ -27,6 +27,9 @@ class LRUCachePolicy(CachePolicy):
         """vLLM's name for the one list (`len(policy.blocks)`, `h in policy.blocks`)."""
         return self._list
 
+    def stored_keys(self) -> list[BlockHash]:
+        return [*self._list.order, *self._list.parked]
+
     def get(self, key: BlockHash) -> BlockStatus | None:
         return self._list.get(key)
 

@@ -137,6 +137,9 @@ class ReuseCachePolicy(CachePolicy):
     def __len__(self) -> int:
         return len(self._index)
 
+    def stored_keys(self) -> list[BlockHash]:
+        return list(self._index)
+
     def get(self, key: BlockHash) -> BlockStatus | None:
         return self._index.get(key)
 
