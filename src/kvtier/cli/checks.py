@@ -92,6 +92,8 @@ def inapplicable_flags(args: argparse.Namespace) -> str | None:
         return "--store-on applies only with an accelerator tier (--gpu-blocks N > 0)"
     if "--redis-namespace" in given and args.redis is None:
         return "--redis-namespace applies only with a Redis tier (--redis URL)"
+    if "--router" in given and args.engines == 1:
+        return "--router applies only with several engines (--engines N > 1)"
     return None
 
 

@@ -31,8 +31,12 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
 
 
 def run_replay(args: argparse.Namespace) -> dict[str, Any]:
-    policies = parse_policies(args.policy)
     config = config_from_args(args)
+    if args.engines > 1:
+        from kvtier.cli.engines import run_engines
+
+        return run_engines(args, config)
+    policies = parse_policies(args.policy)
     workload = open_workload_from_args(args)
     console = Console(stderr=args.json)
     with progress_bars(console, enabled=not args.json) as bars:

@@ -15,7 +15,8 @@ does not touch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from kvtier.router.tiers import EventHash, Tier, TierEvent
 
@@ -118,20 +119,30 @@ class BlockIndex:
 
         `hashes` are the prompt's sha256 block hashes; an engine that publishes 64-bit
         integer hashes is asked for vLLM's integer form of each."""
-        as_int = self._int_hashes.get(engine, False)
-        out: list[Tier] = []
-        for h in hashes:
-            tier = self.best_tier(engine, int_form(h) if as_int else h)
-            if tier is None:
-                break
-            out.append(tier)
-        return out
+        if self._int_hashes.get(engine, False):
+            return prefix_tiers_by(hashes, lambda h: self.best_tier(engine, int_form(h)))
+        return prefix_tiers_by(hashes, lambda h: self.best_tier(engine, h))
 
     def held_blocks(self, engine: str) -> int:
         return len(self._held.get(engine, {}))
 
     def shared_blocks(self) -> int:
         return len(self._shared)
+
+
+H = TypeVar("H", bound=bytes)
+
+
+def prefix_tiers_by(hashes: Sequence[H], tier_of: Callable[[H], Tier | None]) -> list[Tier]:
+    """The tier of each block up to the first that `tier_of` finds nowhere: what the
+    router and the multi-engine replay both score."""
+    out: list[Tier] = []
+    for h in hashes:
+        tier = tier_of(h)
+        if tier is None:
+            break
+        out.append(tier)
+    return out
 
 
 def int_form(block_hash: bytes) -> int:

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _ENGINE_DOWN_STATUSES = frozenset({502, 503, 504})
 _HOP_HEADERS = ("Authorization", "X-Request-Id")
+# Every answer says which engine gave it.
+ENGINE_HEADER = "X-Kvtier-Engine"
 
 
 @dataclass
@@ -252,11 +254,17 @@ class Router:
                     self._take_out(state, f"{type(error).__name__}: {error}")
                     return None
                 return web.Response(
-                    body=data, status=upstream.status, headers={"Content-Type": content_type}
+                    body=data,
+                    status=upstream.status,
+                    headers={"Content-Type": content_type, ENGINE_HEADER: state.name},
                 )
             out = web.StreamResponse(
                 status=upstream.status,
-                headers={"Content-Type": content_type, "Cache-Control": "no-cache"},
+                headers={
+                    "Content-Type": content_type,
+                    "Cache-Control": "no-cache",
+                    ENGINE_HEADER: state.name,
+                },
             )
             await out.prepare(request)
             try:
