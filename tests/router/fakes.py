@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +165,12 @@ async def until(condition: Callable[[], Any], what: str, timeout_s: float = 20.0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+async def until_answered(probe: Callable[[], Awaitable[bool]], what: str, timeout_s: float) -> None:
+    """`until` for a condition that takes a round trip to learn."""
+    deadline = time.monotonic() + timeout_s
+    while not await probe():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)

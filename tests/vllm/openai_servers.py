@@ -32,6 +32,7 @@ from tests.router.model_dir import write_tokenizer
 from tests.vllm.engine import REPO_ROOT, TINY, ModelShape
 
 BLOCK = 32
+POOL_BLOCKS = 128  # each server's pool (num_gpu_blocks_override)
 TOPIC = "kv"
 
 
@@ -114,7 +115,11 @@ def _shape_of(model: Path) -> ModelShape:
 
 @contextlib.contextmanager
 def openai_servers(
-    model: Path, workdir: Path, n: int = 2, pool_blocks: int = 128, start_timeout_s: float = 600
+    model: Path,
+    workdir: Path,
+    n: int = 2,
+    pool_blocks: int = POOL_BLOCKS,
+    start_timeout_s: float = 600,
 ) -> Iterator[list[Server]]:
     """`n` servers, up and answering /health; killed on exit whatever happened."""
     workdir.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ blocks. The run is shared between workers like the other engine scenarios.
 
 from __future__ import annotations
 
+import json
 import pickle
 import warnings
 from dataclasses import dataclass
@@ -18,10 +19,14 @@ from pathlib import Path
 import pytest
 
 from kvtier.router import Router, RouterConfig, router_thread
+from kvtier.router.replay import replay_engines
+from kvtier.sim import ReplayConfig
+from kvtier.sim.traces import read_tokens
+from kvtier.sim.workload import Workload
 from tests.vllm.conftest import EngineRuns, _locked
 from tests.vllm.engine import TINY
-from tests.vllm.openai_servers import BLOCK, chat_model, openai_servers
-from tests.vllm.router_workload import Turn, play, user_messages
+from tests.vllm.openai_servers import BLOCK, POOL_BLOCKS, chat_model, openai_servers
+from tests.vllm.router_workload import MAX_TOKENS, Turn, play, user_messages
 
 CONVERSATIONS, TURNS, WORDS = 5, 3, 100  # an odd count: round-robin alternates engines
 KILL_BEFORE = CONVERSATIONS + 2  # the third request of the second turns
@@ -120,3 +125,21 @@ def test_an_engine_killed_mid_run_costs_no_answer(router_scenario: RouterScenari
     assert router_scenario.killed_taken_out >= 1
     # the survivor still serves its own conversations from its cache
     assert any(t.cached_tokens for t in turns[KILL_BEFORE:] if t.turn == TURNS - 1)
+
+
+def test_the_multi_engine_replay_routes_returning_turns_as_the_real_run(
+    router_scenario: RouterScenario, tmp_path: Path
+) -> None:
+    """The KV run's prompts (as the router tokenized them) replayed over two replay
+    stacks sized like the servers: every returning turn goes to the same engine."""
+    trace = tmp_path / "kv-run.jsonl"
+    lines = [json.dumps({"token_ids": list(p), "output_length": MAX_TOKENS}) for p in
+             router_scenario.kv_prompts]  # fmt: skip
+    trace.write_text("\n".join(lines) + "\n")
+    workload = Workload("kv-run", tuple(read_tokens(trace, block_size=BLOCK)), BLOCK, True)
+    config = ReplayConfig(gpu_blocks=POOL_BLOCKS, cpu_blocks=4 * POOL_BLOCKS)
+    replayed = replay_engines(workload, config, 2, "kv").assignment
+    real = [t.engine for t in router_scenario.kv]
+    returning = [k for k, t in enumerate(router_scenario.kv) if t.turn > 0]
+    assert [replayed[k] for k in returning] == [real[k] for k in returning]
+    assert list(replayed) == real  # the cold first turns take the same turns too

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.hashing import positive_int
 from kvtier.router.scoring import POLICIES, Weights
 
 
@@ -59,6 +60,7 @@ class RouterConfig:
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
+        positive_int("block_size", self.block_size)
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; known: {POLICIES}")
         for name in (
