@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.bench_router [--quick]
 
 Writes benchmarks/results/router.json. Two vLLM OpenAI servers (the CPU build here;
-a Qwen2-0.5B-shaped model with dummy weights, or with --quick the engine tests' tiny
+a 24-layer model of Qwen2-0.5B's shape with dummy weights, or with --quick the engine tests' tiny
 model), each with kvtier's CPU tier and its KV events on ZMQ, and `kvtier.router` in
 front. The workload is the engine test's: multi-turn conversations, each turn the
 whole conversation so far plus a new user message, sent one request at a time and
@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,10 @@ from tests.vllm.router_workload import Turn, play, user_messages
 
 from benchmarks.common import write_result
 from kvtier.router import Router, RouterConfig, router_thread
+
+# Qwen2-0.5B's layers, hidden size and heads under the llama architecture, whose
+# tokenizer class takes the word-level tokenizer the servers are given.
+MODEL = replace(QWEN2_05B, architecture="llama")
 
 
 def _p90(values: list[float]) -> float:
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="the tiny model, one round")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of each router")
     args = parser.parse_args(argv)
-    shape = TINY if args.quick else QWEN2_05B
+    shape = TINY if args.quick else MODEL
     rounds = args.rounds or (1 if args.quick else 2)
     host = {"host": socket.gethostname(), "cpus": os.cpu_count(), "quick": args.quick}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-router-") as tmp, \
@@ -109,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         warnings.simplefilter("ignore")
         result = bench(Path(tmp), shape, conversations=5, turns=4, words=200, rounds=rounds)
     print(write_result("router", {**host, **result}))
+    for name in ("round_robin", "kv"):
+        if result[name]["answered"] != result[name]["requests"]:
+            raise SystemExit(f"{name}: requests went unanswered: {result[name]}")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ class FakeEngine:
         self.mode = "ok"
         self.port = 0
         self.served = 0
+        self.drops = 0  # requests whose connection is closed without an answer
         self._runner: web.AppRunner | None = None
         self._release = asyncio.Event()  # ends hanging requests at stop
 
@@ -79,6 +80,11 @@ class FakeEngine:
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if self.drops:
+            self.drops -= 1
+            assert request.transport is not None
+            request.transport.close()  # what a server closing an idle connection looks like
+            return web.Response()
         if self.mode == "hang":
             await self._release.wait()
         self.served += 1

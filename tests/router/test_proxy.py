@@ -186,6 +186,23 @@ def test_a_dead_engine_is_taken_out_and_put_back(tmp_path: Path) -> None:
     run(scenario)
 
 
+def test_a_dropped_connection_is_tried_once_more_before_the_engine_is_taken_out(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        async with setup(tmp_path, health_interval_s=3600) as s:
+            s.publishers[0].publish([stored(HASHES)])
+            await until(lambda: s.router.index.held_blocks("e0") == 4, "e0's blocks")
+            s.engines[0].drops = 1
+            _, answer = await s.post()
+            assert answer["engine"] == "e0" and s.router.engines["e0"].up
+            s.engines[0].drops = 2
+            _, answer = await s.post()
+            assert answer["engine"] == "e1" and not s.router.engines["e0"].up
+
+    run(scenario)
+
+
 def test_a_hanging_engine_is_taken_out(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with setup(tmp_path, request_timeout_s=0.3, health_interval_s=3600) as s:

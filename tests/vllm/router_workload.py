@@ -95,17 +95,19 @@ def _streamed(base: str, body: dict[str, Any], c: int, t: int) -> tuple[Turn, st
     reply, usage = [], {}
     with urllib.request.urlopen(request, timeout=300) as r:
         engine = r.headers.get("X-Kvtier-Engine", "")
+        status = r.status
         for line in r:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # vLLM reports a failed stream inside it, after a 200
+                status = int(chunk["error"].get("code") or 500)
             for choice in chunk.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content")
                 if text:
                     first = first or time.perf_counter()
                     reply.append(text)
             usage = chunk.get("usage") or usage
-        status = r.status
     ttft = (first or time.perf_counter()) - started
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     turn = Turn(c, t, status, engine, usage.get("prompt_tokens", 0), cached, ttft)

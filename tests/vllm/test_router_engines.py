@@ -62,7 +62,8 @@ def _play(source: Path, workdir: Path) -> RouterScenario:
         specs = tuple(s.spec() for s in servers)
 
         def router(policy: str) -> Router:
-            config = RouterConfig(specs, BLOCK, str(model), policy=policy)
+            # a loaded 2-core machine can keep a server's /health waiting for seconds
+            config = RouterConfig(specs, BLOCK, str(model), policy=policy, health_timeout_s=10)
             return Router(config, keep_decisions=1000)
 
         def run(policy: str, seed: int, **kw: object) -> tuple[list[Turn], Router]:

@@ -51,7 +51,7 @@ class RouterConfig:
     request_timeout_s: float = 120.0
     connect_timeout_s: float = 2.0
     health_interval_s: float = 1.0
-    health_timeout_s: float = 2.0
+    health_timeout_s: float = 5.0
     replay_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:

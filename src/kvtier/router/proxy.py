@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _ENGINE_DOWN_STATUSES = frozenset({502, 503, 504})
 _HOP_HEADERS = ("Authorization", "X-Request-Id")
+_KEEPALIVE_S = 3.0
 # Every answer says which engine gave it.
 ENGINE_HEADER = "X-Kvtier-Engine"
 
@@ -117,7 +118,9 @@ class Router:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve on host:port (0: a free port); returns the port."""
-        self._session = aiohttp.ClientSession()
+        # idle connections closed before the servers' own keep-alive ends (uvicorn's: 5 s)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector)
         self._ctx = zmq.asyncio.Context()
         for state in self.engines.values():
             if state.spec.events is not None:
@@ -237,10 +240,20 @@ class Router:
         headers = {"Content-Type": "application/json"}
         headers.update({h: request.headers[h] for h in _HOP_HEADERS if h in request.headers})
         url = state.spec.url + request.path
-        try:
-            upstream = await self._session.post(url, data=raw, headers=headers, timeout=timeout)
-        except (aiohttp.ClientError, TimeoutError, OSError) as error:
-            self._take_out(state, f"{type(error).__name__}: {error}")
+        upstream = None
+        for attempt in range(2):
+            try:
+                upstream = await self._session.post(url, data=raw, headers=headers, timeout=timeout)
+                break
+            except aiohttp.ServerDisconnectedError as error:
+                # a pooled keep-alive connection the server had just closed: once more
+                # on a new one before blaming the engine
+                if attempt:
+                    self._take_out(state, f"{type(error).__name__}: {error}")
+            except (aiohttp.ClientError, TimeoutError, OSError) as error:
+                self._take_out(state, f"{type(error).__name__}: {error}")
+                return None
+        if upstream is None:
             return None
         async with upstream:
             if upstream.status in _ENGINE_DOWN_STATUSES:
