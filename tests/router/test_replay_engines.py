@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from kvtier.cli import main
 from kvtier.router.replay import replay_engines
 from kvtier.sim import GeneratorConfig, ReplayConfig, TimeModel, generate_workload, replay
 from kvtier.sim.workload import Workload
+from tests.sim.test_remote_replay import Server
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +70,18 @@ def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "2 engines, router kv" in table and "Belady" in table
     assert main([*argv, "--router", "kv"]) == 2
     assert "--router applies only with several engines" in capsys.readouterr().err
+
+
+@pytest.mark.redis
+def test_a_shared_redis_serves_every_engine(chats: Workload, tmp_path: Path) -> None:
+    """Round-robin over engines with tiny CPU tiers and one Redis: a returning prompt
+    on another engine is served from Redis, which the KV-aware router also counts."""
+    server = Server(tmp_path)
+    try:
+        config = ReplayConfig(cpu_blocks=20, redis_url=server.url)
+        rr = replay_engines(chats.limited(200), config, 2, "round-robin")
+        assert sum(e.tier_hits["remote"] for e in rr.engines) > 0
+        assert all(e.tier_hits["remote"] > 0 for e in rr.engines)  # both read the other's
+        assert "the Redis tier is counted as unbounded" in " ".join(rr.bounds.assumptions)
+    finally:
+        server.kill()

@@ -133,9 +133,7 @@ class Router:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        return int(self._runner.addresses[0][1])
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -197,7 +195,8 @@ class Router:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         self.counters.requests += 1
-        tokens, hashes = self.prompt_hashes(request.path, body)
+        # tokenizing a long prompt takes milliseconds: not on the loop that serves
+        tokens, hashes = await asyncio.to_thread(self.prompt_hashes, request.path, body)
         tried: set[str] = set()
         while (decision := self.decide(hashes, tried)) is not None:
             state = self.engines[decision.engine]
