@@ -10,6 +10,7 @@ import pytest
 from kvtier.cli import main
 from kvtier.router.replay import replay_engines
 from kvtier.sim import GeneratorConfig, ReplayConfig, TimeModel, generate_workload, replay
+from kvtier.sim.traces import TraceRequest
 from kvtier.sim.workload import Workload
 from tests.sim.test_remote_replay import Server
 
@@ -44,6 +45,22 @@ def test_kv_routing_beats_round_robin_and_stays_under_the_bound(
     for result in (kv, rr):
         routed = sum(e.requests for e in result.engines)
         assert routed + result.unschedulable == len(chats.requests)
+
+
+def _same_prompt(gap_ms: float) -> Workload:
+    requests = tuple(TraceRequest(k * gap_ms, 64, 400, (1, 2, 3, 4)) for k in range(40))
+    return Workload("same-prompt", requests, 16, True)
+
+
+def test_a_hot_prefix_spreads_when_its_engine_is_busy() -> None:
+    config = ReplayConfig(cpu_blocks=10)
+    # one after the other (an hour apart): all but the first find it on e0
+    apart = replay_engines(_same_prompt(3_600_000.0), config, 4, "kv")
+    assert set(apart.assignment) == {"e0"}
+    # all at once: each decode keeps its engine busy (400 tokens at 40/s); at ten
+    # requests in flight (load 0.1 each) a cached prompt no longer beats an idle engine
+    together = replay_engines(_same_prompt(0.0), config, 4, "kv")
+    assert [e.requests for e in together.engines] == [10, 10, 10, 10]
 
 
 def test_what_a_multi_engine_replay_refuses(chats: Workload) -> None:

@@ -134,8 +134,11 @@ def test_the_multi_engine_replay_routes_returning_turns_as_the_real_run(
     """The KV run's prompts (as the router tokenized them) replayed over two replay
     stacks sized like the servers: every returning turn goes to the same engine."""
     trace = tmp_path / "kv-run.jsonl"
-    lines = [json.dumps({"token_ids": list(p), "output_length": MAX_TOKENS}) for p in
-             router_scenario.kv_prompts]  # fmt: skip
+    # a minute apart: one at a time, as they were sent (none in flight at the next)
+    lines = [
+        json.dumps({"token_ids": list(p), "output_length": MAX_TOKENS, "timestamp": k * 60_000})
+        for k, p in enumerate(router_scenario.kv_prompts)
+    ]
     trace.write_text("\n".join(lines) + "\n")
     workload = Workload("kv-run", tuple(read_tokens(trace, block_size=BLOCK)), BLOCK, True)
     config = ReplayConfig(gpu_blocks=POOL_BLOCKS, cpu_blocks=4 * POOL_BLOCKS)

@@ -6,8 +6,11 @@ its disk tier), all of them optionally over one shared Redis namespace. Every
 request of the trace is routed by `kvtier.router.scoring.Chooser`, the class the
 HTTP router decides with, from what each engine holds right then: its pool's prefix
 cache, and the blocks its tiers' events say they hold (a block in Redis counts for
-every engine, as in the router's index). The requests are served one at a time, so
-no engine has a request in flight when the next is routed: load plays no part.
+every engine, as in the router's index). The requests are served one at a time (the
+tiers see them in arrival order, each done before the next); the router's load, its
+requests in flight, is what the replay's time model says would still be running at
+each arrival (`TimeModel`: the prefill of the tokens no tier served, then the decode),
+so that a hot prefix spreads over engines as it would under real traffic.
 
 Figures are per engine and in total; the bounds are those of one cache holding all
 the engines' capacity together, which N separate caches cannot beat.
@@ -17,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.router.index import prefix_tiers_by
@@ -30,7 +34,7 @@ from kvtier.sim.bounds import Bounds, compute_bounds
 from kvtier.sim.bytes_plane import NoBytes
 from kvtier.sim.ledger import Ledger
 from kvtier.sim.metrics import TierCounters
-from kvtier.sim.replay_config import ReplayConfig
+from kvtier.sim.replay_config import ReplayConfig, TimeModel
 from kvtier.sim.stack import TierStack, build_stack
 from kvtier.sim.step import ConnectorStep, OffloadStep, Step
 from kvtier.sim.workload import Workload
@@ -121,6 +125,12 @@ class _Engine:
     in_pool: Callable[[BlockHash], bool]
     requests: int = 0
     block_refs: int = 0
+    running: list[float] = field(default_factory=list)  # a heap of end times (ms)
+
+    def in_flight(self, now: float) -> int:
+        while self.running and self.running[0] <= now:
+            heapq.heappop(self.running)
+        return len(self.running)
 
 
 def replay_engines(
@@ -129,8 +139,10 @@ def replay_engines(
     engines: int,
     router: str = "kv",
     weights: Weights | None = None,
+    time_model: TimeModel | None = None,
 ) -> EnginesResult:
-    """Replay `workload` over `engines` stacks built from `config`, routed by `router`."""
+    """Replay `workload` over `engines` stacks built from `config`, routed by `router`;
+    `time_model` (default `TimeModel()`) estimates the requests in flight."""
     if engines < 1:
         raise ValueError(f"engines must be >= 1, got {engines}")
     if config.data or config.time_model is not None:
@@ -139,6 +151,7 @@ def replay_engines(
             "--engines takes neither --data nor --concurrent"
         )
     chooser = Chooser(router, weights)
+    timing = time_model or TimeModel()
     shared = config
     if config.redis_url is not None and config.redis_namespace is None:
         shared = replace(config, redis_namespace=f"replay-{uuid.uuid4().hex}")
@@ -151,14 +164,20 @@ def replay_engines(
         started = time.perf_counter()
         for index in fleet[0].step.indexes():
             hashes = workload.block_hashes[index]
+            request = workload.requests[index]
+            now = request.timestamp
             prefix = functools.partial(_prefix, by_name, fleet, hashes)
-            decision = chooser.choose(names, len(hashes), prefix, _idle)
+            load = functools.partial(_in_flight, by_name, now)
+            decision = chooser.choose(names, len(hashes), prefix, load)
             engine = by_name[decision.engine]
             pending = engine.step.admit(index)
             if pending is None:
                 unschedulable += 1
                 assignment.append("")
                 continue
+            busy = timing.prefill_ms(pending.uncached_tokens, pending.loaded_blocks)
+            busy += timing.decode_ms(request.output_length)
+            heapq.heappush(engine.running, now + busy)
             engine.step.loaded(pending)
             engine.step.computed(pending)
             engine.step.finished(pending)
@@ -211,8 +230,8 @@ def _nowhere(block_hash: BlockHash) -> bool:
     return False
 
 
-def _idle(name: str) -> int:
-    return 0  # one request at a time: none in flight when the next is routed
+def _in_flight(by_name: dict[str, _Engine], now: float, name: str) -> int:
+    return by_name[name].in_flight(now)
 
 
 def _prefix(
