@@ -53,7 +53,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_the_command_routes_until_terminated() -> None:
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_the_command_routes_until_stopped(stop: signal.Signals, code: int) -> None:
     async def scenario() -> None:
         engine = FakeEngine("e0")
         await engine.start()
@@ -81,9 +82,10 @@ def test_the_command_routes_until_terminated() -> None:
                     assert r.status == 200 and (await r.json())["engine"] == "e0"
                     assert r.headers["X-Kvtier-Engine"] == engine.url.split("://")[1]
         finally:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(stop)
             _, err = proc.communicate(timeout=30)
             await engine.stop()
-        assert proc.returncode == 130, err.decode()
+        assert proc.returncode == code, err.decode()
+        assert "Traceback" not in err.decode()
 
     asyncio.run(scenario())

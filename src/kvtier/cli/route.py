@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from kvtier.cli.checks import Terminated, stop_on_sigterm
 from kvtier.router.config import EngineSpec, RouterConfig
 from kvtier.router.scoring import POLICIES, Weights
 
@@ -103,9 +104,10 @@ def run_route(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     try:
-        asyncio.run(serve(config, args.host, args.port))
-    except KeyboardInterrupt:
-        return 130
+        with stop_on_sigterm():
+            asyncio.run(serve(config, args.host, args.port))
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): the router stopped
+        return 143 if isinstance(e, Terminated) else 130
     except OSError as e:  # the port is taken, an endpoint cannot be bound
         print(f"kvtier route: error: {e}", file=sys.stderr)
         return 2
