@@ -24,6 +24,8 @@ from kvtier.cli.checks import (
     stop_on_sigterm,
     unwritable_output,
 )
+from kvtier.cli.route import add_route_parser, run_route
+from kvtier.router.scoring import POLICIES
 from kvtier.sim.generator import GeneratorConfig
 from kvtier.sim.traces import TraceFormatError
 from kvtier.sim.workload import FORMATS
@@ -153,6 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="Redis key namespace (default: fresh per replay; share it to share blocks)",
     )
+    rp.add_argument(
+        "--engines",
+        type=_int_at_least(1),
+        default=1,
+        help="replay N engines, each with these tiers, behind the router (see --router)",
+    )
+    rp.add_argument(
+        "--router",
+        action=Given,
+        choices=POLICIES,
+        default="kv",
+        help="with --engines N > 1: how requests are routed (default kv)",
+    )
     cp = sub.add_parser("compare", help="sweep capacities x policies, plot against the bounds")
     _common(cp)
     cp.add_argument(
@@ -161,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="capacities as fractions of the unique blocks (comma list)",
     )
     cp.add_argument("--png", metavar="FILE.png", help="write the plot as PNG")
+    add_route_parser(sub)
     for p in (parser, rp, cp):
         allow_negative_lists(p)
     return parser
@@ -169,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "route":
+        return run_route(args)
     problem = inapplicable_flags(args) or unwritable_output(args)
     if problem:
         print(f"kvtier {args.command}: error: {problem}", file=sys.stderr)

@@ -88,7 +88,11 @@ def inapplicable_flags(args: argparse.Namespace) -> str | None:
         return None
     if "--store-on" in given and not args.gpu_blocks:
         return "--store-on applies only with an accelerator tier (--gpu-blocks N > 0)"
+    if "--router" in given and args.engines == 1:
+        return "--router applies only with several engines (--engines N > 1)"
     vllm_config = getattr(args, "vllm_config", None) is not None
+    if vllm_config and args.engines > 1:
+        return "--engines N replays kvtier's own flags; --vllm-config replays one engine"
     for flag in ("--kv-bytes-per-block", "--model-config"):
         if getattr(args, flag[2:].replace("-", "_"), None) is not None and not vllm_config:
             return f"{flag} applies only with --vllm-config"

@@ -33,7 +33,12 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
 
 def run_replay(args: argparse.Namespace) -> dict[str, Any]:
     if args.vllm_config is None:  # bad flags are refused before the workload is read
-        policies, config = parse_policies(args.policy), config_from_args(args)
+        config = config_from_args(args)
+        if args.engines > 1:
+            from kvtier.cli.engines import run_engines
+
+            return run_engines(args, config)
+        policies = parse_policies(args.policy)
         workload = open_workload_from_args(args)
     else:  # the budgets in bytes become blocks of the workload's size
         from kvtier.cli.vllm_config import replay_config
