@@ -57,6 +57,7 @@ from kvtier.store.diskdir import (
 )
 from kvtier.store.diskformat import (
     DIR_PREFIX,
+    MAX_KEY_BYTES,
     NBYTES,
     SUFFIX,
     TMP_SUFFIX,
@@ -115,8 +116,8 @@ class DiskStore:
         if on_mismatch not in ("error", "ignore"):
             raise ValueError(f"on_mismatch must be 'error' or 'ignore', got {on_mismatch!r}")
         self._layout = layout
-        # Capacity is counted with 32-byte hashes (sha256), the longest in use.
-        self.block_file_bytes = self.file_bytes(BlockHash(bytes(32)))
+        # Capacity is counted with the longest keys in use (see MAX_KEY_BYTES).
+        self.block_file_bytes = self.file_bytes(BlockHash(bytes(MAX_KEY_BYTES)))
         if capacity_bytes < self.block_file_bytes:
             raise ValueError(
                 f"capacity_bytes {capacity_bytes} is below one block file "
@@ -169,7 +170,7 @@ class DiskStore:
     @staticmethod
     def capacity_for(layout: KVLayout, num_blocks: int) -> int:
         """The `capacity_bytes` that holds exactly `num_blocks` blocks of `layout`."""
-        return num_blocks * (BlockHeader.size_for(32) + layout.bytes_per_block)
+        return num_blocks * (BlockHeader.size_for(MAX_KEY_BYTES) + layout.bytes_per_block)
 
     # --- recovery -----------------------------------------------------------
 

@@ -32,6 +32,9 @@ TMP_SUFFIX = ".tmp"
 LAYOUT_FILE = "layout.json"
 LOCK_FILE = "lock"  # held by the directory's one open DiskStore (flock)
 DIR_PREFIX = "kvtier-"
+# The longest key a block file names: vLLM's offload keys for hybrid models (a 32-byte
+# sha256 block hash and a 4-byte KV-cache group index); budgets count files this long.
+MAX_KEY_BYTES = 36
 
 # magic, version, hash length, fingerprint, payload length, payload xxh3
 _FIXED = struct.Struct("<4sHH16sQQ")

@@ -22,9 +22,13 @@ a demotion that did not reach the disk) comes back through `KvtierConnector` and
 applied by `apply_worker_report` before vLLM completes the job, so a failed store is
 never made readable and a corrupt block is forgotten.
 
-Keys: vLLM's `OffloadKey` is a block hash followed by a 4-byte KV-group index. The
-spec accepts one KV-cache group, so kvtier's managers are given the bare block hash
-(byte-identical to kvtier's own `sha256_cbor` hashes) and events get the suffix back.
+Keys: vLLM's `OffloadKey` is a block hash followed by a 4-byte KV-group index. An
+engine of one KV-cache group gives kvtier's managers the bare block hash
+(byte-identical to kvtier's own `sha256_cbor` hashes) and events get the suffix back;
+an engine of several (a hybrid model: full and sliding-window attention) keeps the
+whole key (`whole_keys`), so each group's copy of a block is a block of its own in
+every tier. vLLM decides which keys of each group to look up, store and load (of a
+sliding-window group, only those in the window at the hit point).
 """
 
 from __future__ import annotations
@@ -75,10 +79,11 @@ _Load = tuple[list[tuple[str, list[BlockHash]]], list[BlockHash]]
 
 
 def block_hash_of(key: OffloadKey) -> BlockHash:
+    """An engine of one KV-cache group: the key's block hash."""
     if not key.endswith(GROUP_SUFFIX):
         raise ValueError(
             f"offload key {bytes(key).hex()} is of KV-cache group "
-            f"{int.from_bytes(key[-4:], 'big')}; KvtierOffloadingSpec serves group 0 only"
+            f"{int.from_bytes(key[-4:], 'big')}; this engine was started with one group"
         )
     return BlockHash(bytes(key[:-4]))
 
@@ -87,18 +92,30 @@ def key_of(block_hash: BlockHash) -> OffloadKey:
     return OffloadKey(block_hash + GROUP_SUFFIX)
 
 
+def whole_key(key: OffloadKey) -> BlockHash:
+    """An engine of several KV-cache groups: the whole key names the group's block."""
+    return BlockHash(bytes(key))
+
+
 class KvtierOffloadingManager(OffloadingManager):
     def __init__(
         self,
         local: KvtierManager,
         remote: KvtierManager | None = None,
         *,
+        whole_keys: bool = False,
         enable_events: bool = False,
         on_close: Callable[[], None] | None = None,
         take_discards: Callable[[], list[BlockHash]] | None = None,
     ) -> None:
-        """`take_discards`: disk files the local tier let go of since the last job (the
+        """`whole_keys`: the engine has several KV-cache groups (see the module's "Keys");
+        `take_discards`: disk files the local tier let go of since the last job (the
         worker deletes them in order, before the job that may reuse their slots)."""
+        self.whole_keys = whole_keys
+        self._hash_of: Callable[[OffloadKey], BlockHash] = (
+            whole_key if whole_keys else block_hash_of
+        )
+        self._key_of: Callable[[BlockHash], OffloadKey] = OffloadKey if whole_keys else key_of
         self.local = local
         lookup_one = getattr(local, "lookup_one", None)  # the CPU manager's, list-free
         self._local_hit: Callable[[BlockHash], bool] = lookup_one or (
@@ -132,9 +149,13 @@ class KvtierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if not key.endswith(GROUP_SUFFIX):
-            block_hash_of(key)  # raises, naming the group
-        block_hash: BlockHash = key[:-4]
+        block_hash: BlockHash
+        if self.whole_keys:
+            block_hash = key  # the same bytes (see whole_key)
+        elif key.endswith(GROUP_SUFFIX):
+            block_hash = key[:-4]
+        else:
+            block_hash = block_hash_of(key)  # raises, naming the group
         if self.remote is None:  # the hot path: one tier, nothing to remember
             return _HIT if self._local_hit(block_hash) else _MISS
         if self._local_hit(block_hash):
@@ -160,7 +181,7 @@ class KvtierOffloadingManager(OffloadingManager):
         return LOCAL if self._local_hit(block_hash) else REMOTE
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvtierLoadSpec:
-        hashes = [block_hash_of(k) for k in keys]
+        hashes = [self._hash_of(k) for k in keys]
         where = (
             [self._where(h) for h in hashes] if self.remote is not None else [LOCAL] * len(hashes)
         )
@@ -198,13 +219,13 @@ class KvtierOffloadingManager(OffloadingManager):
         return Part(LOCAL, [position[h] for h in promoted], promoted, out.store_spec)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        hashes = [block_hash_of(k) for k in keys]
+        hashes = [self._hash_of(k) for k in keys]
         self.local.touch(hashes)
         if self.remote is not None:
             self.remote.touch(hashes)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        hashes = frozenset(block_hash_of(k) for k in keys)
+        hashes = frozenset(self._hash_of(k) for k in keys)
         pending = self._loads.get(hashes)
         if not pending:
             raise KeyError(f"complete_load: no load in flight for these {len(hashes)} blocks")
@@ -232,17 +253,18 @@ class KvtierOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        hashes = [block_hash_of(k) for k in keys]
+        hashes = [self._hash_of(k) for k in keys]
         outputs = [(LOCAL, self.local.prepare_store(hashes))]
         if self.remote is not None:
             outputs.append((REMOTE, self.remote.prepare_store(hashes)))
         if all(out is None for _, out in outputs):
             return None
+        # positions in vLLM's order of the keys, which is the order of its device blocks
+        stored = {h for _, out in outputs if out is not None for h in out.block_hashes_to_store}
         order: dict[BlockHash, int] = {}
-        for _, out in outputs:
-            if out is not None:
-                for h in out.block_hashes_to_store:
-                    order.setdefault(h, len(order))
+        for h in hashes:
+            if h in stored:
+                order.setdefault(h, len(order))
         spec = KvtierStoreSpec(discards=self._take_discards())
         evicted: list[BlockHash] = []
         for name, out in outputs:
@@ -255,16 +277,16 @@ class KvtierOffloadingManager(OffloadingManager):
             if name == LOCAL:
                 evicted = out.block_hashes_evicted
         return PrepareStoreOutput(
-            keys_to_store=[key_of(h) for h in order],
+            keys_to_store=[self._key_of(h) for h in order],
             store_spec=spec,
-            evicted_keys=[key_of(h) for h in evicted],
+            evicted_keys=[self._key_of(h) for h in evicted],
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         by_tier: defaultdict[str, list[BlockHash]] = defaultdict(list)
-        for h in map(block_hash_of, keys):
+        for h in map(self._hash_of, keys):
             for name in self._storing.pop(h, ()):
                 by_tier[name].append(h)
         for name, hashes in by_tier.items():
@@ -314,7 +336,7 @@ class KvtierOffloadingManager(OffloadingManager):
                     continue
                 medium, locality = _MEDIA.get(event.medium, (Medium.STORAGE, Locality.LOCAL))
                 yield OffloadingEvent(
-                    keys=[key_of(h) for h in event.block_hashes],
+                    keys=[self._key_of(h) for h in event.block_hashes],
                     medium=medium,
                     removed=event.removed,
                     locality=locality,

@@ -17,8 +17,6 @@ the engine at start with one message.
 from __future__ import annotations
 
 import contextvars
-import os
-from pathlib import Path
 from typing import Any
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
@@ -28,9 +26,15 @@ from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.offload.disk_manager import DiskOffloadingManager
-from kvtier.store.diskformat import BlockHeader, hash_of
-from kvtier.store.layout import KVLayout
+from kvtier.store.diskformat import MAX_KEY_BYTES, BlockHeader
 from kvtier.types import BlockHash
+from kvtier.vllm.engine_shape import (
+    check_engine,
+    layout_for,
+    recovered_blocks,
+    recovered_on_every_rank,
+    shard_root,
+)
 from kvtier.vllm.extra_config import KvtierVllmConfig, parse_extra_config
 from kvtier.vllm.kvtier_manager import KvtierOffloadingManager
 from kvtier.vllm.kvtier_worker import KvtierOffloadingWorker
@@ -43,39 +47,13 @@ UNDER_KVTIER_CONNECTOR: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-def layout_for(config: OffloadingConfig) -> KVLayout:
-    """The block layout both sides derive from vLLM's config alone.
-
-    Only bytes matter to the data plane, so the geometry is stated in bytes (one
-    "head" of `segment_bytes / tokens` bytes); what makes blocks interchangeable, the
-    model, its KV dtype and the block size, goes into the fingerprint via `model_id`.
-    """
-    (group,) = config.groups
-    num_layers = len(group.layer_names)
-    tokens = group.tokens_per_block
-    per_block = config.worker_kv_bytes_per_block
-    if num_layers < 1 or per_block % (2 * num_layers * tokens):
-        raise ValueError(
-            f"cannot cut {per_block} KV bytes per block into K and V planes of "
-            f"{num_layers} layers x {tokens} tokens"
-        )
-    return KVLayout(
-        num_layers=num_layers,
-        num_kv_heads=1,
-        head_size=per_block // (2 * num_layers * tokens),
-        block_size=tokens,
-        dtype="uint8",
-        model_id=f"vllm:{config.model.name}:{config.model.dtype}",
-    )
-
-
 class KvtierOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         check_vllm_version()
         super().__init__(config)
         self.kvtier: KvtierVllmConfig = parse_extra_config(self.extra_config)
         self.report_failures = UNDER_KVTIER_CONNECTOR.get()
-        _check_engine(config, self.kvtier, self.report_failures)
+        check_engine(config, self.kvtier, self.report_failures)
         self.layout = layout_for(config)
         self.block_size = config.groups[0].tokens_per_block
         self.num_cpu_slots = self.kvtier.cpu_bytes_to_use // self.layout.bytes_per_block
@@ -84,7 +62,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 f"cpu_bytes_to_use {self.kvtier.cpu_bytes_to_use} is below one block of "
                 f"this model ({self.layout.bytes_per_block} bytes)"
             )
-        file_bytes = BlockHeader.size_for(32) + self.layout.bytes_per_block
+        file_bytes = BlockHeader.size_for(MAX_KEY_BYTES) + self.layout.bytes_per_block
         self.num_disk_blocks = (self.kvtier.disk_bytes_to_use or 0) // file_bytes
         if self.kvtier.has_disk and self.num_disk_blocks < 1:
             raise ValueError(
@@ -119,7 +97,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 events,
                 on_free=discards.extend,
             )
-            discards.extend(disk.adopt(recovered_blocks(cfg.disk_path, self.layout)))
+            whole, partial = recovered_on_every_rank(cfg.disk_path, self.config)
+            discards.extend(partial)  # a shard some rank lacks is never loaded: deleted
+            discards.extend(disk.adopt(whole))
             lower: KvtierManager = disk
             if cfg.store_threshold >= 2:  # admission to the disk, as the replay does
                 lower = FilterReusedOffloadingManager(disk, store_threshold=cfg.store_threshold)
@@ -140,6 +120,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return KvtierOffloadingManager(
             local,
             remote,
+            whole_keys=len(self.config.groups) > 1,
             enable_events=events,
             on_close=tier.close if tier is not None else None,
             take_discards=take_discards,
@@ -169,6 +150,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 self.kvtier,
                 self.layout,
                 kv_caches,
+                disk_root=shard_root(self.kvtier.disk_path, self.config)
+                if self.kvtier.disk_path is not None
+                else None,
                 num_cpu_slots=self.num_cpu_slots,
                 num_disk_blocks=self.num_disk_blocks,
                 remote=self._open_remote(),
@@ -177,48 +161,4 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return self._worker
 
 
-def _check_engine(config: OffloadingConfig, cfg: KvtierVllmConfig, kvtier_connector: bool) -> None:
-    """Refuse engine shapes the spec does not serve, naming the setting to change."""
-    if len(config.groups) != 1:
-        raise ValueError(
-            f"KvtierOffloadingSpec serves models with one KV-cache group; this engine has "
-            f"{len(config.groups)} (hybrid or sliding-window models are not supported yet)"
-        )
-    if config.cache.blocks_per_chunk != 1:
-        raise ValueError(
-            f"KvtierOffloadingSpec offloads whole engine blocks: drop 'block_size' / "
-            f"'blocks_per_chunk' from kv_connector_extra_config (blocks_per_chunk is "
-            f"{config.cache.blocks_per_chunk})"
-        )
-    if config.parallel.world_size != 1:
-        raise ValueError(
-            f"KvtierOffloadingSpec runs on one worker; this engine has "
-            f"{config.parallel.world_size} (tensor/pipeline parallelism is not supported yet)"
-        )
-    if not kvtier_connector and (cfg.has_disk or cfg.has_redis or cfg.cpu_checksums):
-        raise ValueError(
-            'disk_path, redis_url and cpu_checksums need "kv_connector": "KvtierConnector" '
-            'with "kv_connector_module_path": "kvtier.vllm": vLLM\'s own OffloadingConnector '
-            "asserts that every transfer succeeds, so a failed disk or Redis load would stop "
-            "the engine instead of being recomputed"
-        )
-
-
-def recovered_blocks(disk_path: str, layout: KVLayout) -> list[BlockHash]:
-    """Block files of `layout` under `disk_path`, oldest first, as the worker's recovery
-    left them (the worker opens the directory, and recovers it, before the scheduler
-    is built). Read only: the scheduler side never deletes behind the worker."""
-    from kvtier.store.diskformat import DIR_PREFIX
-
-    directory = Path(disk_path) / f"{DIR_PREFIX}{layout.fingerprint}"
-    size = BlockHeader.size_for(32) + layout.bytes_per_block
-    found: list[tuple[int, BlockHash]] = []
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        block_hash = hash_of(entry.name)
-        if block_hash is not None and entry.is_file() and entry.stat().st_size == size:
-            found.append((entry.stat().st_mtime_ns, block_hash))
-    return [h for _, h in sorted(found)]
+__all__ = ["KvtierOffloadingSpec", "layout_for", "recovered_blocks"]
