@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.remote.conftest import serve_redis
 from tests.vllm.needs_vllm import quiet, require_vllm
 from tests.vllm.offloading_config import offloading_config
 
@@ -34,6 +35,7 @@ with quiet():
         make_offload_key,
     )
 
+    from kvtier.remote.codec import BlockCodec
     from kvtier.vllm.connector import check_layer_types, worker_meta
     from kvtier.vllm.engine_shape import layout_for, shard_root
     from kvtier.vllm.spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
@@ -225,6 +227,40 @@ def test_a_block_counts_only_when_every_rank_has_its_shard(
         assert [second.shard(rank, i) for i in (9, 10)] == [data[rank][2], data[rank][3]]
     second.store(keys_of(7)[6:], [6])
     assert not _files(tmp_path, 0, keys[1])  # rank 0's intact shard is deleted too
+
+
+def test_redis_offers_a_block_only_when_every_rank_holds_its_shard(
+    engines: list[ParallelEngine], tmp_path: Path
+) -> None:
+    servers = serve_redis(tmp_path)
+    server = next(servers)
+    try:
+        extra = {"cpu_bytes_to_use": 2 * BLOCK_BYTES, "redis_url": server.url}
+        writer = ParallelEngine(extra)
+        engines.append(writer)
+        keys = keys_of(3)
+        data = writer.compute([0, 1, 2], seed=8)
+        writer.store(keys, [0, 1, 2])
+        # Redis loses rank 1's shard of block 1 (evicted, or its store timed out)
+        rank1 = layout_for(config(extra, tp=2, rank=1)).fingerprint
+        namespace = BlockCodec.for_fingerprint(rank1).fp_digest[:8].hex().encode()
+        client = server.client()
+        (lost,) = [
+            k for k in client.keys("*") if namespace in k and keys[1][:-4].hex().encode() in k
+        ]
+        client.delete(lost)
+        client.close()
+
+        reader = ParallelEngine(extra | {"cpu_bytes_to_use": 8 * BLOCK_BYTES})
+        engines.append(reader)
+        reader.hits(keys)  # asks every rank's keys, asynchronously
+        assert reader.manager.remote.wait_lookups(timeout=30)
+        assert reader.hits(keys) == [True, False, True]  # block 1 is in no tier
+        errors, report = reader.load(keys[:1], [8])
+        assert not errors and not report
+        assert [reader.shard(rank, 8) for rank in (0, 1)] == [data[0][0], data[1][0]]
+    finally:
+        next(servers, None)
 
 
 def test_shards_are_named_by_rank_parallel_layout_and_groups(tmp_path: Path) -> None:

@@ -109,9 +109,10 @@ def check_engine(config: OffloadingConfig, cfg: KvtierVllmConfig, kvtier_connect
     if parallel.pp_size != 1:
         raise ValueError(
             f"KvtierOffloadingSpec does not run under pipeline parallelism "
-            f"(pipeline_parallel_size is {parallel.pp_size}): vLLM's offloading scheduler "
-            f"sizes every worker's blocks from one stage's KV layout, and stages hold "
-            f"different layers; use tensor parallelism"
+            f"(pipeline_parallel_size is {parallel.pp_size}): stages hold different "
+            f"layers, and the scheduler side sees only the first stage's (vLLM 0.32's CPU "
+            f"build fails a pipeline-parallel engine's first request even without a "
+            f"connector, so this was never run); use tensor parallelism"
         )
     if parallel.pcp_size != 1 or parallel.dcp_size != 1:
         raise ValueError(

@@ -6,10 +6,11 @@
       "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
         "spec_module_path": "kvtier.vllm", "cpu_bytes_to_use": 8000000000}}'
 
-The spec is built twice per engine (once for the scheduler, once per worker, maybe
-in different processes), so everything it decides comes from the config alone: the
-block layout (and with it the fingerprint that names disk directories and Redis
-keys), the number of CPU slots and disk blocks. Every check that can fail runs in
+The spec is built once for the scheduler and once per worker (maybe in different
+processes), so everything it decides comes from the config alone: the block layout of
+each worker's shard (and with it the fingerprint that names its disk directory and
+Redis keys, see `engine_shape`), the number of CPU slots and disk blocks, the same on
+every worker of a tensor-parallel engine. Every check that can fail runs in
 `__init__`, so a wrong key, an unsupported vLLM or an unsupported engine shape stops
 the engine at start with one message.
 """
@@ -38,6 +39,7 @@ from kvtier.vllm.engine_shape import (
 from kvtier.vllm.extra_config import KvtierVllmConfig, parse_extra_config
 from kvtier.vllm.kvtier_manager import KvtierOffloadingManager
 from kvtier.vllm.kvtier_worker import KvtierOffloadingWorker
+from kvtier.vllm.shard_lookup import EveryShardLookup
 from kvtier.vllm.version import check_vllm_version
 
 # Set while KvtierConnector builds its spec: only that connector reports failed
@@ -108,9 +110,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             )
         elif cfg.store_threshold >= 2:
             local = FilterReusedOffloadingManager(cpu, store_threshold=cfg.store_threshold)
-        remote, tier = None, self._open_remote()
-        if tier is not None:
-            remote = tier.manager(enable_events=events, async_lookup=True)
+        remote, close = self._scheduler_remote(events)
 
         def take_discards() -> list[BlockHash]:
             taken = list(discards)
@@ -122,11 +122,27 @@ class KvtierOffloadingSpec(OffloadingSpec):
             remote,
             whole_keys=len(self.config.groups) > 1,
             enable_events=events,
-            on_close=tier.close if tier is not None else None,
+            on_close=close,
             take_discards=take_discards,
         )
 
-    def _open_remote(self) -> Any:
+    def _scheduler_remote(self, events: bool) -> tuple[KvtierManager | None, Any]:
+        """The Redis tier's manager on the scheduler side (looking up every worker's
+        shard, see `shard_lookup`), and what closes its connections."""
+        tiers = [self._open_remote(rank) for rank in range(self.config.parallel.world_size)]
+        if tiers[0] is None:
+            return None, None
+        first = tiers[0].manager(enable_events=events, async_lookup=True)
+        others = [tier.manager(async_lookup=True) for tier in tiers[1:]]
+
+        def close() -> None:
+            for tier in tiers:
+                tier.close()
+
+        return (EveryShardLookup(first, others) if others else first), close
+
+    def _open_remote(self, rank: int | None = None) -> Any:
+        """The Redis tier under the keys of one worker's shards (default this one's)."""
         cfg = self.kvtier
         if cfg.redis_url is None:
             return None
@@ -134,7 +150,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
         return RemoteTier.from_url(
             cfg.redis_url,
-            self.layout,
+            self.layout if rank is None else layout_for(self.config, rank),
             block_size=self.block_size,
             socket_timeout_s=cfg.redis_socket_timeout_s,
             connect_timeout_s=cfg.redis_connect_timeout_s,
