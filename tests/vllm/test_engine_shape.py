@@ -313,3 +313,28 @@ def test_mamba_layers_are_refused_by_name() -> None:
     group = SimpleNamespace(kv_cache_spec=spec, layer_names=["model.layers.0.mixer"])
     with pytest.raises(ValueError, match=r"MambaSpec layers .*model\.layers\.0\.mixer"):
         check_layer_types(SimpleNamespace(kv_cache_groups=[group]))
+
+
+class _SlowAnswers:
+    """An asynchronous lookup as kvtier's Redis tier does it: the first question starts
+    it (None), the answer is handed out once, `calls` questions later; then it restarts."""
+
+    def __init__(self, answer: int, calls: int) -> None:
+        self.answer, self.calls, self.asked = answer, calls, 0
+
+    def lookup(self, block_hashes: Any) -> int | None:
+        self.asked += 1
+        if self.asked <= self.calls:
+            return None
+        self.asked = 0
+        return self.answer
+
+
+def test_every_shard_lookup_keeps_answers_until_all_are_in() -> None:
+    """Workers whose answers come in on different steps: asking all of them again each
+    time would alternate forever (each answer is handed out once)."""
+    from kvtier.vllm.shard_lookup import EveryShardLookup
+
+    lookup = EveryShardLookup(_SlowAnswers(3, 1), [_SlowAnswers(2, 2)])  # type: ignore[list-item,arg-type]
+    answers = [lookup.lookup([b"k" * 32]) for _ in range(3)]
+    assert answers == [None, None, 2]  # the shorter prefix, once both are in

@@ -11,11 +11,16 @@ loads and events are the first worker's manager's (the slots are the same for al
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvtier.offload.abstract import LoadStoreSpec, OffloadingEvent, OffloadingManager
 from kvtier.offload.abstract import PrepareStoreOutput as KvtierStoreOutput
 from kvtier.types import BlockHash
+
+# Answers of some workers kept while others' are not in yet (bounded: vLLM may never
+# ask again about a prefix; the oldest is forgotten first).
+MAX_PARTIAL_ANSWERS = 4096
 
 
 class EveryShardLookup(OffloadingManager):
@@ -24,19 +29,30 @@ class EveryShardLookup(OffloadingManager):
     def __init__(self, first: OffloadingManager, others: Sequence[OffloadingManager]) -> None:
         self.first = first
         self.others = list(others)
+        self._managers = [first, *self.others]
+        self._answers: OrderedDict[tuple[BlockHash, ...], list[int | None]] = OrderedDict()
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
+        """The shortest of the workers' prefixes; None while any answer is not in. An
+        asynchronous answer is handed out once, so each one is kept until all are in
+        (asking them all again each time could alternate forever between workers)."""
         hashes = list(block_hashes)
-        found = self.first.lookup(hashes)
-        for other in self.others:  # each asked, so asynchronous lookups all start
-            theirs = other.lookup(hashes)
-            found = None if found is None or theirs is None else min(found, theirs)
-        return found
+        key = tuple(hashes)
+        answers = self._answers.pop(key, None) or [None] * len(self._managers)
+        for i, manager in enumerate(self._managers):
+            if answers[i] is None:
+                answers[i] = manager.lookup(hashes)
+        if any(a is None for a in answers):
+            self._answers[key] = answers
+            if len(self._answers) > MAX_PARTIAL_ANSWERS:
+                self._answers.popitem(last=False)
+            return None
+        return min(a for a in answers if a is not None)
 
     def wait_lookups(self, timeout: float | None = None) -> bool:
         """Block until every worker's asynchronous lookups have answers (tests, tools)."""
-        managers = [self.first, *self.others]
-        return all(getattr(m, "wait_lookups", lambda _t: True)(timeout) for m in managers)
+        waits = [getattr(m, "wait_lookups", None) for m in self._managers]
+        return all(wait(timeout) for wait in waits if wait is not None)
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         return self.first.prepare_load(block_hashes)
