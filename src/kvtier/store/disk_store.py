@@ -116,7 +116,7 @@ class DiskStore:
         if on_mismatch not in ("error", "ignore"):
             raise ValueError(f"on_mismatch must be 'error' or 'ignore', got {on_mismatch!r}")
         self._layout = layout
-        # Capacity is counted with the longest hashes in use (see MAX_HASH_BYTES).
+        # Capacity is counted with the longest hashes in use (see MAX_KEY_BYTES).
         self.block_file_bytes = block_file_bytes(layout.bytes_per_block)
         if capacity_bytes < self.block_file_bytes:
             raise ValueError(

@@ -32,9 +32,9 @@ TMP_SUFFIX = ".tmp"
 LAYOUT_FILE = "layout.json"
 LOCK_FILE = "lock"  # held by the directory's one open DiskStore (flock)
 DIR_PREFIX = "kvtier-"
-# Budgets are counted in files of the longest block hash in use (sha256), so a budget
-# in bytes means the same number of blocks to every reader of a directory.
-MAX_HASH_BYTES = 32
+# The longest key a block file names: vLLM's offload keys for hybrid models (a 32-byte
+# sha256 block hash and a 4-byte KV-cache group index); budgets count files this long.
+MAX_KEY_BYTES = 36
 
 # magic, version, hash length, fingerprint, payload length, payload xxh3
 _FIXED = struct.Struct("<4sHH16sQQ")
@@ -152,7 +152,7 @@ class HeaderCheck:
         return None
 
 
-def block_file_bytes(payload_bytes: int, hash_len: int = MAX_HASH_BYTES) -> int:
+def block_file_bytes(payload_bytes: int, hash_len: int = MAX_KEY_BYTES) -> int:
     """Size of one block file: its header and a payload of `payload_bytes`."""
     return BlockHeader.size_for(hash_len) + payload_bytes
 

@@ -22,9 +22,13 @@ a demotion that did not reach the disk) comes back through `KvtierConnector` and
 applied by `apply_worker_report` before vLLM completes the job, so a failed store is
 never made readable and a corrupt block is forgotten.
 
-Keys: vLLM's `OffloadKey` is a block hash followed by a 4-byte KV-group index. The
-spec accepts one KV-cache group, so kvtier's managers are given the bare block hash
-(byte-identical to kvtier's own `sha256_cbor` hashes) and events get the suffix back.
+Keys: vLLM's `OffloadKey` is a block hash followed by a 4-byte KV-group index. An
+engine of one KV-cache group gives kvtier's managers the bare block hash
+(byte-identical to kvtier's own `sha256_cbor` hashes) and events get the suffix back;
+an engine of several (a hybrid model: full and sliding-window attention) keeps the
+whole key (`whole_keys`), so each group's copy of a block is a block of its own in
+every tier. vLLM decides which keys of each group to look up, store and load (of a
+sliding-window group, only those in the window at the hit point).
 """
 
 from __future__ import annotations
@@ -105,10 +109,11 @@ def _use_of(req_context: ReqContext) -> _RequestUse:
 
 
 def block_hash_of(key: OffloadKey) -> BlockHash:
+    """An engine of one KV-cache group: the key's block hash."""
     if not key.endswith(GROUP_SUFFIX):
         raise ValueError(
             f"offload key {bytes(key).hex()} is of KV-cache group "
-            f"{int.from_bytes(key[-4:], 'big')}; KvtierOffloadingSpec serves group 0 only"
+            f"{int.from_bytes(key[-4:], 'big')}; this engine was started with one group"
         )
     return BlockHash(bytes(key[:-4]))
 
@@ -117,12 +122,18 @@ def key_of(block_hash: BlockHash) -> OffloadKey:
     return OffloadKey(block_hash + GROUP_SUFFIX)
 
 
+def whole_key(key: OffloadKey) -> BlockHash:
+    """An engine of several KV-cache groups: the whole key names the group's block."""
+    return BlockHash(bytes(key))
+
+
 class KvtierOffloadingManager(OffloadingManager):
     def __init__(
         self,
         local: KvtierManager,
         remote: KvtierManager | None = None,
         *,
+        whole_keys: bool = False,
         enable_events: bool = False,
         on_close: Callable[[], None] | None = None,
         take_discards: Callable[[], list[BlockHash]] | None = None,
@@ -131,11 +142,17 @@ class KvtierOffloadingManager(OffloadingManager):
         block_bytes: int = 0,
         file_bytes: int = 0,
     ) -> None:
-        """`take_discards`: disk files the local tier let go of since the last job (the
+        """`whole_keys`: the engine has several KV-cache groups (see the module's "Keys");
+        `take_discards`: disk files the local tier let go of since the last job (the
         worker deletes them in order, before the job that may reuse their slots);
         `delete_files`: deletes disk files from here, for what must be gone before any
         job comes (a reset); `keep_files`: deletes every disk file but these (shutdown);
         `block_bytes`, `file_bytes`: one block's bytes, and its disk file's (metrics)."""
+        self.whole_keys = whole_keys
+        self._hash_of: Callable[[OffloadKey], BlockHash] = (
+            whole_key if whole_keys else block_hash_of
+        )
+        self._key_of: Callable[[BlockHash], OffloadKey] = OffloadKey if whole_keys else key_of
         self.local = local
         lookup_one = getattr(local, "lookup_one", None)  # the CPU manager's, list-free
         self._local_hit: Callable[[BlockHash], bool] = lookup_one or (
@@ -183,9 +200,13 @@ class KvtierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if not key.endswith(GROUP_SUFFIX):
-            block_hash_of(key)  # raises, naming the group
-        block_hash: BlockHash = key[:-4]
+        block_hash: BlockHash
+        if self.whole_keys:
+            block_hash = key  # the same bytes (see whole_key)
+        elif key.endswith(GROUP_SUFFIX):
+            block_hash = key[:-4]
+        else:
+            block_hash = block_hash_of(key)  # raises, naming the group
         if self.remote is None:  # the hot path: one tier, nothing to remember
             return _HIT if self._local_hit(block_hash) else _MISS
         if self._local_hit(block_hash):
@@ -216,7 +237,7 @@ class KvtierOffloadingManager(OffloadingManager):
         return LOCAL if self._local_hit(block_hash) else REMOTE
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvtierLoadSpec:
-        hashes = [block_hash_of(k) for k in keys]
+        hashes = [self._hash_of(k) for k in keys]
         where = (
             [self._where(h) for h in hashes] if self.remote is not None else [LOCAL] * len(hashes)
         )
@@ -256,7 +277,7 @@ class KvtierOffloadingManager(OffloadingManager):
         return Part(LOCAL, [position[h] for h in promoted], promoted, out.store_spec)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._use([block_hash_of(k) for k in keys])
+        self._use([self._hash_of(k) for k in keys])
 
     def _use(self, hashes: list[BlockHash]) -> None:
         self.local.touch(hashes)
@@ -271,7 +292,7 @@ class KvtierOffloadingManager(OffloadingManager):
             use.loaded = []
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        hashes = frozenset(block_hash_of(k) for k in keys)
+        hashes = frozenset(self._hash_of(k) for k in keys)
         pending = self._loads.get(hashes)
         if not pending:
             raise KeyError(f"complete_load: no load in flight for these {len(hashes)} blocks")
@@ -299,28 +320,33 @@ class KvtierOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        hashes = [block_hash_of(k) for k in keys]
+        hashes = [self._hash_of(k) for k in keys]
         use = _use_of(req_context)
         self._use(use.loaded + hashes)  # the request's blocks head to tail, then its stores
         use.loaded = []
         out = self.chain.prepare_store(hashes)  # offered to every tier (write-through)
         if out is None:
             return None
-        order = {h: i for i, h in enumerate(out.block_hashes_to_store)}
+        # positions in vLLM's order of the keys, which is the order of its device blocks
+        stored = set(out.block_hashes_to_store)
+        order: dict[BlockHash, int] = {}
+        for h in hashes:
+            if h in stored:
+                order.setdefault(h, len(order))
         spec = KvtierStoreSpec(discards=self._next_discards(), epoch=self.epoch)
         for name, part, tier_spec in cast(ChainSpec, out.store_spec).parts:
             if part:
                 spec.parts.append(Part(name, [order[h] for h in part], part, tier_spec))
         return PrepareStoreOutput(
-            keys_to_store=[key_of(h) for h in out.block_hashes_to_store],
+            keys_to_store=[self._key_of(h) for h in order],
             store_spec=spec,
-            evicted_keys=[key_of(h) for h in out.block_hashes_evicted],
+            evicted_keys=[self._key_of(h) for h in out.block_hashes_evicted],
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        hashes = [block_hash_of(k) for k in keys]
+        hashes = [self._hash_of(k) for k in keys]
         for name, _ in self.chain.tiers:  # each tier's part as the worker said it went
             failed = {h for h in hashes if (name, h) in self._failed_stores}
             self._failed_stores.difference_update((name, h) for h in failed)
@@ -442,7 +468,7 @@ class KvtierOffloadingManager(OffloadingManager):
                     continue
                 medium, locality = _MEDIA.get(event.medium, (Medium.STORAGE, Locality.LOCAL))
                 yield OffloadingEvent(
-                    keys=[key_of(h) for h in event.block_hashes],
+                    keys=[self._key_of(h) for h in event.block_hashes],
                     medium=medium,
                     removed=event.removed,
                     locality=locality,

@@ -1,8 +1,11 @@
 """vLLM's worker-side `OffloadingWorker` over kvtier's transfer workers.
 
 vLLM hands the worker its KV caches as canonical tensors, one `[num_blocks,
-page_bytes]` byte view per attention layer, where a block's page is its K plane then
-its V plane. kvtier's data plane cuts caches into per-block segments in the host
+page_bytes]` byte view per attention layer (of a hybrid model: per layer of its
+largest KV-cache group, which the other groups' layers share), where a block's page is
+its K plane then its V plane. Under tensor parallelism each worker holds, and moves,
+its own shard (its heads), into tiers of its own (see `engine_shape`). kvtier's data
+plane cuts caches into per-block segments in the host
 byte order `[layer][K, V][...]`, so each page is cut into its two halves and
 everything below (host slots, the crash-safe disk cascade, Redis) is kvtier's own
 code, run exactly as the replay tool runs it. CPU tensors on the CPU platform; on
@@ -24,6 +27,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -60,7 +64,7 @@ class CanonicalDeviceKV(DeviceKV):
         if len(tensors) != layout.num_layers:
             raise ValueError(
                 f"vLLM registered {len(tensors)} KV cache tensors, the layout expects "
-                f"{layout.num_layers} (one per attention layer)"
+                f"{layout.num_layers} (one per attention layer of its largest KV-cache group)"
             )
         page = 2 * layout.segment_bytes
         num_blocks = int(tensors[0].shape[0])
@@ -136,10 +140,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         *,
         num_cpu_slots: int,
         num_disk_blocks: int = 0,
+        disk_root: str | Path | None = None,
         remote: Any = None,
         report_failures: bool = True,
     ) -> None:
-        """`remote`: a `RemoteTier` opened for `layout` (closed by `shutdown`);
+        """`disk_root`: this worker's disk root (default `config.disk_path`; one per rank
+        under tensor parallelism, see `engine_shape.shard_root`);
+        `remote`: a `RemoteTier` opened for `layout` (closed by `shutdown`);
         `report_failures`: failures go to the report (KvtierConnector) rather than into
         the results, which vLLM's own connector asserts are all successful."""
         self.kv = CanonicalDeviceKV(layout, kv_caches)
@@ -155,7 +162,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         try:
             if config.disk_path is not None:
                 self.disk = DiskStore(
-                    config.disk_path,
+                    disk_root if disk_root is not None else config.disk_path,
                     layout,
                     DiskStore.capacity_for(layout, num_disk_blocks),
                     fsync=config.disk_fsync,

@@ -6,10 +6,11 @@
       "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
         "spec_module_path": "kvtier.vllm", "cpu_bytes_to_use": 8000000000}}'
 
-The spec is built twice per engine (once for the scheduler, once per worker, maybe
-in different processes), so everything it decides comes from the config alone: the
-block layout (and with it the fingerprint that names disk directories and Redis
-keys), the number of CPU slots and disk blocks. Every check that can fail runs in
+The spec is built once for the scheduler and once per worker (maybe in different
+processes), so everything it decides comes from the config alone: the block layout of
+each worker's shard (and with it the fingerprint that names its disk directory and
+Redis keys, see `engine_shape`), the number of CPU slots and disk blocks, the same on
+every worker of a tensor-parallel engine. Every check that can fail runs in
 `__init__`, so a wrong key, an unsupported vLLM or an unsupported engine shape stops
 the engine at start with one message.
 """
@@ -17,62 +18,40 @@ the engine at start with one message.
 from __future__ import annotations
 
 import contextvars
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.connector.tier_config import TierConfig
 from kvtier.connector.tier_stack import DiskBacking, StackConfig, build_tiers
-from kvtier.store.diskdir import list_blocks
+from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.store.diskformat import (
     block_file_bytes,
     delete_block_files,
     delete_block_files_except,
     directory_name,
 )
-from kvtier.store.layout import KVLayout
 from kvtier.types import BlockHash
+from kvtier.vllm.engine_shape import (
+    check_engine,
+    layout_for,
+    recovered_on_every_rank,
+    shard_root,
+)
 from kvtier.vllm.extra_config import parse_extra_config
 from kvtier.vllm.kvtier_manager import KvtierOffloadingManager
 from kvtier.vllm.kvtier_worker import KvtierOffloadingWorker
+from kvtier.vllm.shard_lookup import EveryShardLookup
 from kvtier.vllm.version import check_vllm_version
-
-if TYPE_CHECKING:
-    from kvtier.remote.tier import RemoteTier
 
 # Set while KvtierConnector builds its spec: only that connector reports failed
 # transfers to vLLM's recompute path (vLLM's own asserts that none fail).
 UNDER_KVTIER_CONNECTOR: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "kvtier_under_kvtier_connector", default=False
 )
-
-
-def layout_for(config: OffloadingConfig) -> KVLayout:
-    """The block layout both sides derive from vLLM's config alone.
-
-    Only bytes matter to the data plane, so the geometry is stated in bytes (one
-    "head" of `segment_bytes / tokens` bytes); what makes blocks interchangeable, the
-    model, its KV dtype and the block size, goes into the fingerprint via `model_id`.
-    """
-    (group,) = config.groups
-    num_layers = len(group.layer_names)
-    tokens = group.tokens_per_block
-    per_block = config.worker_kv_bytes_per_block
-    if num_layers < 1 or per_block % (2 * num_layers * tokens):
-        raise ValueError(
-            f"cannot cut {per_block} KV bytes per block into K and V planes of "
-            f"{num_layers} layers x {tokens} tokens"
-        )
-    return KVLayout(
-        num_layers=num_layers,
-        num_kv_heads=1,
-        head_size=per_block // (2 * num_layers * tokens),
-        block_size=tokens,
-        dtype="uint8",
-        model_id=f"vllm:{config.model.name}:{config.model.dtype}",
-    )
 
 
 class KvtierOffloadingSpec(OffloadingSpec):
@@ -88,7 +67,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         self.kvtier: TierConfig = parse_extra_config(self.extra_config)
         self.report_failures = UNDER_KVTIER_CONNECTOR.get()
-        _check_engine(config, self.kvtier, self.report_failures)
+        check_engine(config, self.kvtier, self.report_failures)
         self.layout = layout_for(config)
         self.block_size = config.groups[0].tokens_per_block
         self.stack_config = StackConfig.from_tier_config(
@@ -110,29 +89,44 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return self._manager
 
     def _build_manager(self) -> KvtierOffloadingManager:
-        cfg = self.kvtier
+        """kvtier's one builder makes the tiers; a tensor-parallel engine's Redis tier is
+        the one exception, looked up under every worker's shard keys (`shard_lookup`)."""
+        cfg, stack = self.kvtier, self.stack_config
         discards: list[BlockHash] = []
         backing = None
         if cfg.disk_path is not None:
-            # the worker opened (and recovered) the directory before the scheduler is built
-            backing = DiskBacking(list_blocks(cfg.disk_path, self.layout), discards.extend)
+            # the workers opened (and recovered) their directories before the scheduler
+            whole, partial = recovered_on_every_rank(cfg.disk_path, self.config)
+            discards.extend(partial)  # a shard some rank lacks is never loaded: deleted
+            backing = DiskBacking(whole, discards.extend)
+        sharded = stack.redis_url is not None and self.config.parallel.world_size > 1
         tiers = build_tiers(
-            self.stack_config,
+            replace(stack, redis_url=None) if sharded else stack,
             disk=backing,
             remote_key=self.layout,
             async_lookup=True,
         )
+        remote: KvtierManager | None = tiers.remote_manager
+        close_remote = None
+        if sharded:
+            remote, close_remote = self._sharded_remote(stack.enable_events)
 
         def take_discards() -> list[BlockHash]:
             taken = list(discards)
             discards.clear()
             return taken
 
+        def close() -> None:
+            tiers.close()
+            if close_remote is not None:
+                close_remote()
+
         return KvtierOffloadingManager(
             tiers.local,
-            tiers.remote_manager,
-            enable_events=self.stack_config.enable_events,
-            on_close=tiers.close,
+            remote,
+            whole_keys=len(self.config.groups) > 1,
+            enable_events=stack.enable_events,
+            on_close=close,
             take_discards=take_discards,
             delete_files=self._delete_files if cfg.disk_path is not None else None,
             keep_files=self._keep_files if cfg.disk_path is not None else None,
@@ -140,25 +134,49 @@ class KvtierOffloadingSpec(OffloadingSpec):
             file_bytes=block_file_bytes(self.layout.bytes_per_block),
         )
 
-    def _disk_directory(self) -> Path:
-        return Path(self.kvtier.disk_path or "") / directory_name(self.layout.fingerprint)
+    def _disk_directories(self) -> list[Path]:
+        """Every worker's directory of this engine's shards."""
+        disk_path = self.kvtier.disk_path or ""
+        return [
+            shard_root(disk_path, self.config, rank)
+            / directory_name(layout_for(self.config, rank).fingerprint)
+            for rank in range(self.config.parallel.world_size)
+        ]
 
     def _delete_files(self, block_hashes: list[BlockHash]) -> None:
         if block_hashes:
-            delete_block_files(self._disk_directory(), block_hashes)
+            for directory in self._disk_directories():
+                delete_block_files(directory, block_hashes)
 
     def _keep_files(self, block_hashes: set[BlockHash]) -> None:
-        delete_block_files_except(self._disk_directory(), block_hashes)
+        for directory in self._disk_directories():
+            delete_block_files_except(directory, block_hashes)
 
-    def _open_remote(self) -> RemoteTier | None:
-        """The worker's own connection to the Redis tier (its data plane)."""
+    def _sharded_remote(self, events: bool) -> tuple[KvtierManager, Any]:
+        """The Redis tier's manager of a multi-worker engine on the scheduler side: a
+        block is there only if every worker's shard is (see `shard_lookup`)."""
+        tiers = [self._open_remote(rank) for rank in range(self.config.parallel.world_size)]
+        first = tiers[0].manager(enable_events=events, async_lookup=True)
+        others = [tier.manager(async_lookup=True) for tier in tiers[1:]]
+
+        def close() -> None:
+            for tier in tiers:
+                tier.close()
+
+        return EveryShardLookup(first, others), close
+
+    def _open_remote(self, rank: int | None = None) -> Any:
+        """The Redis tier under the keys of one worker's shards (default this one's)."""
         cfg = self.kvtier
         if cfg.redis_url is None:
             return None
         from kvtier.remote.tier import RemoteTier
 
         return RemoteTier.from_url(
-            cfg.redis_url, self.layout, block_size=self.block_size, **cfg.redis_options()
+            cfg.redis_url,
+            self.layout if rank is None else layout_for(self.config, rank),
+            block_size=self.block_size,
+            **cfg.redis_options(),
         )
 
     # --- worker side -----------------------------------------------------------
@@ -169,6 +187,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 self.kvtier,
                 self.layout,
                 kv_caches,
+                disk_root=shard_root(self.kvtier.disk_path, self.config)
+                if self.kvtier.disk_path is not None
+                else None,
                 num_cpu_slots=self.num_cpu_slots,
                 num_disk_blocks=self.num_disk_blocks,
                 remote=self._open_remote(),
@@ -177,28 +198,4 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return self._worker
 
 
-def _check_engine(config: OffloadingConfig, cfg: TierConfig, kvtier_connector: bool) -> None:
-    """Refuse engine shapes the spec does not serve, naming the setting to change."""
-    if len(config.groups) != 1:
-        raise ValueError(
-            f"KvtierOffloadingSpec serves models with one KV-cache group; this engine has "
-            f"{len(config.groups)} (hybrid or sliding-window models are not supported yet)"
-        )
-    if config.cache.blocks_per_chunk != 1:
-        raise ValueError(
-            f"KvtierOffloadingSpec offloads whole engine blocks: drop 'block_size' / "
-            f"'blocks_per_chunk' from kv_connector_extra_config (blocks_per_chunk is "
-            f"{config.cache.blocks_per_chunk})"
-        )
-    if config.parallel.world_size != 1:
-        raise ValueError(
-            f"KvtierOffloadingSpec runs on one worker; this engine has "
-            f"{config.parallel.world_size} (tensor/pipeline parallelism is not supported yet)"
-        )
-    if not kvtier_connector and (cfg.has_disk or cfg.has_redis or cfg.cpu_checksums):
-        raise ValueError(
-            'disk_path, redis_url and cpu_checksums need "kv_connector": "KvtierConnector" '
-            'with "kv_connector_module_path": "kvtier.vllm": vLLM\'s own OffloadingConnector '
-            "asserts that every transfer succeeds, so a failed disk or Redis load would stop "
-            "the engine instead of being recomputed"
-        )
+__all__ = ["KvtierOffloadingSpec", "layout_for"]
