@@ -1,14 +1,20 @@
 """`make vllm-demo`: a real vLLM engine on a multi-turn workload, without and with kvtier.
 
-    .venv/bin/python -m benchmarks.vllm_demo [--chats 3] [--turns 3] [--kvtier '{...}']
+    .venv/bin/python -m benchmarks.vllm_demo [--chats 3] [--turns 3] [--repeats 2]
+        [--kvtier '{...}']
 
 A few chats whose every turn resends the whole conversation so far plus a new message,
 with other traffic between the turns: the engine's small pool (vLLM's own prefix cache)
 cannot keep a chat until its next turn, so without offloading every turn recomputes
 the conversation; with kvtier the evicted blocks come back from its tiers. The same
-requests run on two engines, one after the other (vLLM's CPU build here: a Qwen2-style
+requests run on engines without and with kvtier (vLLM's CPU build here: a Qwen2-style
 model with dummy weights, nothing downloaded), and each request's time to first token
 is printed side by side.
+
+The two sides are made comparable (kvtier.vllm.engines.compare): the same CPU binding
+and warm-up, engines run in the order A K K A (A: alone), each request's best run
+shown; the requests that neither side found cached must then take the same time on
+both, and the table says whether they did, against the spread of one side's own runs.
 """
 
 from __future__ import annotations
@@ -22,10 +28,27 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from tests.vllm.engine import EngineJob, JobResult, ModelShape, Round, run_job, write_model
-from tests.vllm.engine_workloads import random_prompts
 
 from kvtier.vllm import transfer_config
+from kvtier.vllm.engines import (
+    EngineJob,
+    JobResult,
+    ModelShape,
+    Round,
+    random_prompts,
+    run_job,
+    write_model,
+)
+from kvtier.vllm.engines.compare import (
+    RESERVED_CPUS_ENV,
+    Agreement,
+    balanced_order,
+    best_of,
+    cached_tokens,
+    cold_agreement,
+    run_sides,
+    same_cpus_env,
+)
 
 MODEL = ModelShape(
     "qwen2", layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1408, vocab=32000
@@ -35,6 +58,8 @@ POOL_BLOCKS = 80  # 2,560 tokens: the pool holds about two conversations
 # The kvtier side's extra config (kv_connector_extra_config keys, README "With vLLM");
 # --kvtier replaces it. 1 GiB of CPU memory holds every conversation here.
 DEFAULT_KVTIER: dict[str, Any] = {"cpu_bytes_to_use": 1 << 30}
+ALONE, KVTIER = "vLLM alone", "vLLM + kvtier"
+SIDES = (ALONE, KVTIER)
 
 
 @dataclass(frozen=True)
@@ -72,30 +97,56 @@ def engine_job(model: Path, workload: Workload, kv_transfer_config: Any) -> Engi
         num_blocks=POOL_BLOCKS,
         max_model_len=(longest // BLOCK + 2) * BLOCK,
         kv_transfer_config=kv_transfer_config,
-        env={"VLLM_LOGGING_LEVEL": "WARNING"},
+        # both sides compute on the same cores (kvtier.vllm.engines.compare)
+        env={"VLLM_LOGGING_LEVEL": "WARNING", **same_cpus_env()},
     )
 
 
-def table(workload: Workload, without: JobResult, with_kvtier: JobResult) -> Table:
-    out = Table(title="Time to first token: vLLM alone vs vLLM + kvtier")
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms"
+
+
+def _cached(runs: tuple[JobResult, ...], r: int, i: int) -> str:
+    low, high = cached_tokens(runs, r, i)
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def table(workload: Workload, runs: dict[str, tuple[JobResult, ...]]) -> Table:
+    """Each request's best time over its side's runs, and the check that requests
+    cached on neither side took the same time on both."""
+    alone, kvtier = runs[ALONE], runs[KVTIER]
+    best_alone, best_kvtier = best_of(alone), best_of(kvtier)
+    repeats = min(len(alone), len(kvtier))
+    best = f"best of {repeats}" if repeats > 1 else "one run each"
+    out = Table(title=f"Time to first token: vLLM alone vs vLLM + kvtier ({best})")
     for column in ("request", "prompt", "cached", "TTFT", "cached+kvtier", "TTFT+kvtier", "x"):
         out.add_column(column, justify="left" if column == "request" else "right")
     totals = [0.0, 0.0]
     for r, labels in enumerate(workload.labels):
         for i, label in enumerate(labels):
-            a, b = without.rounds[r][i], with_kvtier.rounds[r][i]
+            a, b = best_alone[r][i], best_kvtier[r][i]
             totals[0] += a.wall_s
             totals[1] += b.wall_s
             out.add_row(
                 label or "[dim]other traffic[/dim]",
                 str(workload.prompt_tokens[r][i]),
-                str(a.num_cached_tokens),
-                f"{a.wall_s * 1e3:.0f} ms",
-                str(b.num_cached_tokens),
-                f"{b.wall_s * 1e3:.0f} ms",
+                _cached(alone, r, i),
+                _ms(a.wall_s),
+                _cached(kvtier, r, i),
+                _ms(b.wall_s),
                 f"{a.wall_s / b.wall_s:.1f}",
             )
     out.add_section()
+    cold = cold_agreement(runs)
+    out.add_row(
+        f"cold ({cold.requests} requests)",
+        "",
+        "",
+        f"{cold.seconds[ALONE]:.2f} s",
+        "",
+        f"{cold.seconds[KVTIER]:.2f} s",
+        f"{cold.seconds[ALONE] / cold.seconds[KVTIER]:.2f}",
+    )
     out.add_row(
         "all requests",
         "",
@@ -105,7 +156,25 @@ def table(workload: Workload, without: JobResult, with_kvtier: JobResult) -> Tab
         f"{totals[1]:.2f} s",
         f"{totals[0] / totals[1]:.1f}",
     )
+    out.caption = fairness_note(cold, repeats)
     return out
+
+
+def fairness_note(cold: Agreement, repeats: int) -> str:
+    """How the two sides were made comparable, and whether their cold requests agree."""
+    if cold.noise is None:
+        verdict = "noise not measured (one run each: --repeats 2 or more measures it)"
+    else:
+        agree = "agree within noise" if cold.within_noise else "DIFFER by more than the noise"
+        verdict = f"{agree}: one side's own runs differ by up to {cold.noise:.2f}x on them"
+    return (
+        f"Comparable sides: the same CPU binding ({RESERVED_CPUS_ENV}="
+        f"{same_cpus_env()[RESERVED_CPUS_ENV]}; without it vLLM's CPU build gives the "
+        f"engine with a connector more cores), the same warm-up, engines run "
+        f"{' '.join('AK'[side == KVTIER] for side, _ in balanced_order(SIDES, repeats))} "
+        f"(A: alone, K: kvtier), each request's best run shown. Cold requests (nothing "
+        f"cached on either side): {cold.ratio:.2f}x apart; {verdict}."
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step", type=int, default=256, help="tokens each turn adds")
     parser.add_argument("--others", type=int, default=2, help="one-off prompts after each turn")
     parser.add_argument(
+        "--repeats", type=int, default=2, help="engine runs per side, in the order A K K A ..."
+    )
+    parser.add_argument(
         "--kvtier",
         type=json.loads,
         default=DEFAULT_KVTIER,
@@ -125,15 +197,21 @@ def main(argv: list[str] | None = None) -> None:
     console = Console()
     workload = multi_turn(args.chats, args.turns, args.first, args.step, args.others)
     config = transfer_config(**args.kvtier)  # checked before any engine starts
+    balanced_order(SIDES, args.repeats)  # likewise
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         model = write_model(Path(tmp) / "model", MODEL, weights=False)
-        results = []
-        for label, kv_config in (("vLLM alone", None), ("vLLM + kvtier", config)):
+        kv_configs = {ALONE: None, KVTIER: config}
+        jobs = {side: engine_job(model, workload, kv) for side, kv in kv_configs.items()}
+
+        def run(side: str, repeat: int, job: EngineJob) -> JobResult:
+            label = f"{side} (run {repeat + 1} of {args.repeats})"
             with console.status(f"{label}: starting an engine and serving the chats"):
-                result = run_job(engine_job(model, workload, kv_config), timeout_s=1800)
+                result = run_job(job, timeout_s=1800)
             console.print(f"{label}: engine started in {result.start_s:.0f} s")
-            results.append(result)
-    console.print(table(workload, *results))
+            return result
+
+        runs = run_sides(jobs, args.repeats, run)
+    console.print(table(workload, runs))
     console.print(
         f"kvtier config: {json.dumps(config['kv_connector_extra_config'])}\n"
         f"model: {MODEL.layers} layers, hidden {MODEL.hidden}, dummy weights; engine pool "

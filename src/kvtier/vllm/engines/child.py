@@ -1,6 +1,6 @@
-"""The child process of `tests.vllm.engine.run_job`: one vLLM engine serving one job.
+"""The child process of `run.run_job`: one vLLM engine serving one job.
 
-    python -m tests.vllm.engine_run JOB.json OUT.json
+    python -m kvtier.vllm.engines.child JOB.json OUT.json
 
 JOB.json is `EngineJob.to_json()`; OUT.json gets the engine's start time and, per round
 and per request, the generated tokens, their logprobs, `num_cached_tokens` and timings.

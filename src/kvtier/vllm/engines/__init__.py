@@ -1,0 +1,28 @@
+"""Real vLLM engines in child processes, for `make vllm-demo`, the benchmarks and the tests.
+
+Each engine runs in its own child process (`run_job`), serves one `EngineJob` (rounds of
+prompts, each request alone so that its wall time is its own) and returns a `JobResult`.
+Nothing here imports vLLM: only the child does, so callers run without it until they
+start an engine. `compare` runs several sides (engines with and without a connector) so
+that their timings can be set side by side.
+"""
+
+from __future__ import annotations
+
+from kvtier.vllm.engines.job import EngineJob, JobResult, RequestResult, Round
+from kvtier.vllm.engines.model import QWEN2_05B, TINY, ModelShape, write_model
+from kvtier.vllm.engines.prompts import random_prompts
+from kvtier.vllm.engines.run import run_job
+
+__all__ = [
+    "QWEN2_05B",
+    "TINY",
+    "EngineJob",
+    "JobResult",
+    "ModelShape",
+    "RequestResult",
+    "Round",
+    "random_prompts",
+    "run_job",
+    "write_model",
+]
