@@ -1,7 +1,6 @@
 """`make vllm-demo`: a real vLLM engine on a multi-turn workload, without and with kvtier.
 
-    .venv/bin/python -m benchmarks.vllm_demo [--chats 3] [--turns 3] [--repeats 2]
-        [--kvtier '{...}']
+    .venv/bin/python -m benchmarks.vllm_demo [--chats 3] [--turns 3] [--kvtier '{...}']
 
 A few chats whose every turn resends the whole conversation so far plus a new message,
 with other traffic between the turns: the engine's small pool (vLLM's own prefix cache)
@@ -12,9 +11,9 @@ model with dummy weights, nothing downloaded), and each request's time to first 
 is printed side by side.
 
 The two sides are made comparable (kvtier.vllm.engines.compare): the same CPU binding
-and warm-up, engines run in the order A K K A (A: alone), each request's best run
-shown; the requests that neither side found cached must then take the same time on
-both, and the table says whether they did, against the spread of one side's own runs.
+and warm-up, both engines up at once and each request served on one, then the other
+(which goes first alternates); the requests that neither side found cached must then
+take the same time on both, and the table says whether they did.
 """
 
 from __future__ import annotations
@@ -36,19 +35,15 @@ from kvtier.vllm.engines import (
     ModelShape,
     Round,
     random_prompts,
-    run_job,
     write_model,
 )
 from kvtier.vllm.engines.compare import (
     RESERVED_CPUS_ENV,
     Agreement,
-    balanced_order,
-    best_of,
-    cached_tokens,
     cold_agreement,
-    run_sides,
     same_cpus_env,
 )
+from kvtier.vllm.engines.stepwise import IDLE_S, run_interleaved
 
 MODEL = ModelShape(
     "qwen2", layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1408, vocab=32000
@@ -59,7 +54,6 @@ POOL_BLOCKS = 80  # 2,560 tokens: the pool holds about two conversations
 # --kvtier replaces it. 1 GiB of CPU memory holds every conversation here.
 DEFAULT_KVTIER: dict[str, Any] = {"cpu_bytes_to_use": 1 << 30}
 ALONE, KVTIER = "vLLM alone", "vLLM + kvtier"
-SIDES = (ALONE, KVTIER)
 
 
 @dataclass(frozen=True)
@@ -106,40 +100,32 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms"
 
 
-def _cached(runs: tuple[JobResult, ...], r: int, i: int) -> str:
-    low, high = cached_tokens(runs, r, i)
-    return str(low) if low == high else f"{low}-{high}"
-
-
-def table(workload: Workload, runs: dict[str, tuple[JobResult, ...]]) -> Table:
-    """Each request's best time over its side's runs, and the check that requests
-    cached on neither side took the same time on both."""
-    alone, kvtier = runs[ALONE], runs[KVTIER]
-    best_alone, best_kvtier = best_of(alone), best_of(kvtier)
-    repeats = min(len(alone), len(kvtier))
-    best = f"best of {repeats}" if repeats > 1 else "one run each"
-    out = Table(title=f"Time to first token: vLLM alone vs vLLM + kvtier ({best})")
+def table(workload: Workload, results: dict[str, JobResult]) -> Table:
+    """Each request on both sides, and the check that the requests cached on neither
+    side took the same time on both."""
+    alone, kvtier = results[ALONE], results[KVTIER]
+    out = Table(title="Time to first token: vLLM alone vs vLLM + kvtier")
     for column in ("request", "prompt", "cached", "TTFT", "cached+kvtier", "TTFT+kvtier", "x"):
         out.add_column(column, justify="left" if column == "request" else "right")
     totals = [0.0, 0.0]
     for r, labels in enumerate(workload.labels):
         for i, label in enumerate(labels):
-            a, b = best_alone[r][i], best_kvtier[r][i]
+            a, b = alone.rounds[r][i], kvtier.rounds[r][i]
             totals[0] += a.wall_s
             totals[1] += b.wall_s
             out.add_row(
                 label or "[dim]other traffic[/dim]",
                 str(workload.prompt_tokens[r][i]),
-                _cached(alone, r, i),
+                str(a.num_cached_tokens),
                 _ms(a.wall_s),
-                _cached(kvtier, r, i),
+                str(b.num_cached_tokens),
                 _ms(b.wall_s),
                 f"{a.wall_s / b.wall_s:.1f}",
             )
     out.add_section()
-    cold = cold_agreement(runs)
+    cold = cold_agreement(results)
     out.add_row(
-        f"cold ({cold.requests} requests)",
+        f"cold ({cold.pairs} requests)",
         "",
         "",
         f"{cold.seconds[ALONE]:.2f} s",
@@ -156,24 +142,22 @@ def table(workload: Workload, runs: dict[str, tuple[JobResult, ...]]) -> Table:
         f"{totals[1]:.2f} s",
         f"{totals[0] / totals[1]:.1f}",
     )
-    out.caption = fairness_note(cold, repeats)
+    out.caption = fairness_note(cold)
     return out
 
 
-def fairness_note(cold: Agreement, repeats: int) -> str:
+def fairness_note(cold: Agreement) -> str:
     """How the two sides were made comparable, and whether their cold requests agree."""
-    if cold.noise is None:
-        verdict = "noise not measured (one run each: --repeats 2 or more measures it)"
-    else:
-        agree = "agree within noise" if cold.within_noise else "DIFFER by more than the noise"
-        verdict = f"{agree}: one side's own runs differ by up to {cold.noise:.2f}x on them"
+    verdict = "agree within noise" if cold.within_noise else "DIFFER by more than noise"
     return (
         f"Comparable sides: the same CPU binding ({RESERVED_CPUS_ENV}="
         f"{same_cpus_env()[RESERVED_CPUS_ENV]}; without it vLLM's CPU build gives the "
-        f"engine with a connector more cores), the same warm-up, engines run "
-        f"{' '.join('AK'[side == KVTIER] for side, _ in balanced_order(SIDES, repeats))} "
-        f"(A: alone, K: kvtier), each request's best run shown. Cold requests (nothing "
-        f"cached on either side): {cold.ratio:.2f}x apart; {verdict}."
+        f"engine with a connector more cores) and warm-up; both engines up at once, "
+        f"serving each request in turn, the side going first alternating, each request "
+        f"after {IDLE_S:g} s with both engines idle. Cold requests "
+        f"(nothing cached on either side): vLLM alone slower in {cold.slower[ALONE]}, "
+        f"kvtier in {cold.slower[KVTIER]} of {cold.pairs}: {verdict} (sign test "
+        f"p={cold.p_value:.2f})."
     )
 
 
@@ -185,9 +169,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step", type=int, default=256, help="tokens each turn adds")
     parser.add_argument("--others", type=int, default=2, help="one-off prompts after each turn")
     parser.add_argument(
-        "--repeats", type=int, default=2, help="engine runs per side, in the order A K K A ..."
-    )
-    parser.add_argument(
         "--kvtier",
         type=json.loads,
         default=DEFAULT_KVTIER,
@@ -197,20 +178,16 @@ def main(argv: list[str] | None = None) -> None:
     console = Console()
     workload = multi_turn(args.chats, args.turns, args.first, args.step, args.others)
     config = transfer_config(**args.kvtier)  # checked before any engine starts
-    balanced_order(SIDES, args.repeats)  # likewise
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         model = write_model(Path(tmp) / "model", MODEL, weights=False)
-        kv_configs = {ALONE: None, KVTIER: config}
-        jobs = {side: engine_job(model, workload, kv) for side, kv in kv_configs.items()}
-
-        def run(side: str, repeat: int, job: EngineJob) -> JobResult:
-            label = f"{side} (run {repeat + 1} of {args.repeats})"
-            with console.status(f"{label}: starting an engine and serving the chats"):
-                result = run_job(job, timeout_s=1800)
-            console.print(f"{label}: engine started in {result.start_s:.0f} s")
-            return result
-
-        runs = run_sides(jobs, args.repeats, run)
+        jobs = {
+            ALONE: engine_job(model, workload, None),
+            KVTIER: engine_job(model, workload, config),
+        }
+        with console.status("starting both engines, then serving the chats on each in turn"):
+            runs = run_interleaved(jobs)
+    for side, result in runs.items():
+        console.print(f"{side}: engine started in {result.start_s:.0f} s")
     console.print(table(workload, runs))
     console.print(
         f"kvtier config: {json.dumps(config['kv_connector_extra_config'])}\n"

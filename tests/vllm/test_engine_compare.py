@@ -1,5 +1,6 @@
-"""How engines are timed against each other (kvtier.vllm.engines.compare), without engines:
-the order, the best of repeats, the cold-request check, and the CPU binding vLLM gives."""
+"""How engines are timed against each other (kvtier.vllm.engines.compare, .stepwise),
+without engines: the interleaved order, the cold-request check, the CPU binding vLLM
+gives, and the demo's and bench_vllm's use of them."""
 
 from __future__ import annotations
 
@@ -11,15 +12,8 @@ import pytest
 from benchmarks import bench_vllm, vllm_demo
 
 from kvtier.vllm.engines import EngineJob, JobResult, RequestResult, Round
-from kvtier.vllm.engines.compare import (
-    RESERVED_CPUS_ENV,
-    balanced_order,
-    best_of,
-    cached_tokens,
-    cold_agreement,
-    run_sides,
-    same_cpus_env,
-)
+from kvtier.vllm.engines.compare import RESERVED_CPUS_ENV, cold_agreement, same_cpus_env, sign_test
+from kvtier.vllm.engines.stepwise import interleaved_order, serve_interleaved
 from tests.vllm.needs_vllm import quiet, require_vllm
 
 
@@ -35,77 +29,84 @@ def result(*rounds: tuple[tuple[float, int], ...]) -> JobResult:
     )
 
 
-def test_balanced_order_gives_every_side_every_position() -> None:
-    assert balanced_order(("A", "K"), 1) == (("A", 0), ("K", 0))
-    order = balanced_order(("A", "K"), 4)
-    assert [side for side, _ in order] == list("AKKAAKKA")
-    assert [repeat for _, repeat in order] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert [s for s, _ in balanced_order(("A", "B", "C"), 2)] == list("ABCCBA")
+def test_interleaved_order_alternates_which_side_goes_first() -> None:
+    order = list(interleaved_order(("A", "K"), 4))
+    assert order == [(0, "A"), (0, "K"), (1, "K"), (1, "A"), (2, "A"), (2, "K"), (3, "K"), (3, "A")]
+    assert [s for _, s in interleaved_order(("A", "B", "C"), 2)] == list("ABCCBA")
+    for sides in ((), ("A", "A")):
+        with pytest.raises(ValueError, match="each once"):
+            list(interleaved_order(sides, 2))
 
 
-@pytest.mark.parametrize(("sides", "repeats"), [(("A", "K"), 0), ((), 2), (("A", "A"), 2)])
-def test_balanced_order_refuses(sides: tuple[str, ...], repeats: int) -> None:
-    with pytest.raises(ValueError, match=r"repeats|sides"):
-        balanced_order(sides, repeats)
+class FakeEngine:
+    """Answers request (r, i) with wall time r + i / 10 (+ 1 s on side K)."""
+
+    def __init__(self, side: str, served: list[tuple[str, int, int]]) -> None:
+        self.side, self.served = side, served
+
+    def started(self) -> float:
+        return 5.0
+
+    def request(self, r: int, i: int) -> RequestResult:
+        self.served.append((self.side, r, i))
+        wall = r + i / 10 + (self.side == "K")
+        return RequestResult((), (), 0, wall, wall)
+
+    def log(self) -> str:
+        return f"log {self.side}"
 
 
-def test_run_sides_runs_in_balanced_order_and_groups_by_side() -> None:
-    jobs = {side: EngineJob(Path(side), (Round(((1, 2),)),)) for side in ("A", "K")}
-    ran: list[tuple[str, int]] = []
-
-    def run(side: str, repeat: int, job: EngineJob) -> JobResult:
-        assert job is jobs[side]
-        ran.append((side, repeat))
-        return result(((float(len(ran)), 0),))
-
-    runs = run_sides(jobs, 2, run)
-    assert ran == [("A", 0), ("K", 0), ("K", 1), ("A", 1)]
-    assert [r.rounds[0][0].wall_s for r in runs["A"]] == [1.0, 4.0]
-    assert [r.rounds[0][0].wall_s for r in runs["K"]] == [2.0, 3.0]
-
-
-def test_best_of_takes_each_request_from_its_fastest_run() -> None:
-    first = result(((0.3, 0), (0.5, 64)), ((0.2, 0),))
-    second = result(((0.4, 0), (0.1, 96)), ((0.1, 0),))
-    best = best_of([first, second])
-    assert [[r.wall_s for r in rnd] for rnd in best] == [[0.3, 0.1], [0.1]]
-    assert best[0][1].num_cached_tokens == 96  # the fastest run's own result
-    assert cached_tokens([first, second], 0, 1) == (64, 96)
-    with pytest.raises(ValueError, match="different jobs"):
-        best_of([first, result(((0.3, 0),))])
-    with pytest.raises(ValueError, match="no runs"):
-        best_of([])
+def test_serve_interleaved_alternates_request_by_request_and_rebuilds_rounds() -> None:
+    rounds = (Round(((1,), (2,)), name="one"), Round(((3,),), name="two"))
+    jobs = {side: EngineJob(Path(side), rounds) for side in ("A", "K")}
+    served: list[tuple[str, int, int]] = []
+    results = serve_interleaved(jobs, {side: FakeEngine(side, served) for side in jobs})
+    assert served == [("A", 0, 0), ("K", 0, 0), ("K", 0, 1), ("A", 0, 1), ("A", 1, 0), ("K", 1, 0)]
+    a, k = results["A"], results["K"]
+    assert [[r.wall_s for r in rnd] for rnd in a.rounds] == [[0.0, 0.1], [1.0]]
+    assert [[r.wall_s for r in rnd] for rnd in k.rounds] == [[1.0, 1.1], [2.0]]
+    assert (a.start_s, a.log, a.round_names) == (5.0, "log A", ("one", "two"))
+    other = {"A": jobs["A"], "K": EngineJob(Path("K"), rounds[:1])}
+    with pytest.raises(ValueError, match="different shapes"):
+        serve_interleaved(other, {})
 
 
-def test_cold_agreement_compares_only_requests_cold_everywhere() -> None:
-    # request 0 cold on both sides; request 1 cached on K (left out); request 2 cached
-    # in one run of A only (left out too)
-    a1 = result(((0.30, 0), (0.40, 0), (0.40, 0)))
-    a2 = result(((0.33, 0), (0.40, 0), (0.20, 32)))
-    k1 = result(((0.31, 0), (0.10, 512), (0.40, 0)))
-    k2 = result(((0.36, 0), (0.10, 512), (0.40, 0)))
-    cold = cold_agreement({"A": [a1, a2], "K": [k1, k2]})
-    assert cold.requests == 1
-    assert cold.seconds == {"A": 0.30, "K": 0.31}
-    assert cold.ratio == pytest.approx(0.31 / 0.30)
-    assert cold.noise == pytest.approx(0.36 / 0.31)  # K's own runs differ the most
-    assert cold.within_noise is True
-
-
-def test_cold_agreement_flags_a_gap_beyond_the_noise() -> None:
-    # the issue's demo: cold prompts 1.7x faster on one side, its runs within 10%
-    alone = [result(((0.28, 0),)), result(((0.30, 0),))]
-    kvtier = [result(((0.16, 0),)), result(((0.17, 0),))]
+def test_cold_agreement_pairs_only_requests_cold_on_both_sides() -> None:
+    # request 1 is cached on K: left out of the pairs
+    alone = result(((0.30, 0), (0.40, 0), (0.41, 0)), ((0.50, 0),))
+    kvtier = result(((0.31, 0), (0.10, 512), (0.40, 0)), ((0.52, 0),))
     cold = cold_agreement({"A": alone, "K": kvtier})
-    assert cold.ratio == pytest.approx(0.28 / 0.16)
-    assert cold.within_noise is False
-    single = cold_agreement({"A": alone[:1], "K": kvtier[:1]})
-    assert single.noise is None and single.within_noise is None
+    assert cold.pairs == 3
+    assert cold.seconds == pytest.approx({"A": 1.21, "K": 1.23})
+    assert cold.slower == {"A": 1, "K": 2}
+    assert cold.p_value == 1.0 and cold.within_noise
 
 
-def test_cold_agreement_needs_a_cold_request() -> None:
+def test_cold_agreement_flags_one_side_always_faster() -> None:
+    # the issue's demo: every cold prompt ~1.7x faster on one side
+    alone = result(tuple((0.28 + j / 100, 0) for j in range(9)))
+    kvtier = result(tuple((0.16 + j / 100, 0) for j in range(9)))
+    cold = cold_agreement({"A": alone, "K": kvtier})
+    assert cold.slower == {"A": 9, "K": 0}
+    assert cold.p_value == pytest.approx(2 / 2**9)
+    assert not cold.within_noise
+
+
+def test_sign_test() -> None:
+    assert sign_test(0, 0) == 1.0
+    assert sign_test(4, 5) == 1.0
+    assert sign_test(8, 1) == pytest.approx(2 * 10 / 512)  # 0.039: an uneven split
+    assert sign_test(7, 2) == pytest.approx(2 * 46 / 512)  # 0.18: noise can do that
+
+
+def test_cold_agreement_refuses_what_it_cannot_compare() -> None:
+    cold, cached = result(((0.1, 0),)), result(((0.1, 32),))
     with pytest.raises(ValueError, match="no request was cold"):
-        cold_agreement({"A": [result(((0.1, 32),))], "K": [result(((0.1, 0),))]})
+        cold_agreement({"A": cold, "K": cached})
+    with pytest.raises(ValueError, match="two sides"):
+        cold_agreement({"A": cold})
+    with pytest.raises(ValueError, match="different requests"):
+        cold_agreement({"A": cold, "K": result(((0.1, 0), (0.1, 0)))})
 
 
 def test_demo_sides_differ_only_in_the_connector(tmp_path: Path) -> None:

@@ -3,8 +3,8 @@
 Each engine runs in its own child process (`run_job`), serves one `EngineJob` (rounds of
 prompts, each request alone so that its wall time is its own) and returns a `JobResult`.
 Nothing here imports vLLM: only the child does, so callers run without it until they
-start an engine. `compare` runs several sides (engines with and without a connector) so
-that their timings can be set side by side.
+start an engine. `stepwise` keeps several engines up and serves them request by request,
+and `compare` what makes engines' timings comparable (with and without a connector).
 """
 
 from __future__ import annotations

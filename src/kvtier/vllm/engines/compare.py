@@ -1,35 +1,38 @@
 """Timing engines against each other on a shared machine, so that a difference is theirs.
 
-Three things made one engine look faster than another with nothing to do with what
-it cached (measured for `make vllm-demo`, issue 28):
+What made one engine look faster than another with nothing to do with what it cached
+(measured for `make vllm-demo`, issue 28):
 
 - CPU binding. vLLM's CPU build binds its worker's OpenMP threads to the node's cores
   less a reserve: one core per worker for its scheduler process, and one more per
   worker when the engine has a `kv_transfer_config` (meant for a P/D connector's
   threads). Where the cores are no more than that reserve it reserves none. On a
   2-core machine an engine without a connector computes on one core, one with kvtier
-  on both: a cold 512-token prefill took ~270 ms against ~155 ms. `same_cpus_env`
+  on both: a cold 512-token prefill took ~155 ms against ~275 ms on a quiet machine,
+  and 1-2.4 s against ~0.3 s while other processes kept the cores busy. `same_cpus_env`
   pins the reserve to the connector-less engine's, for every side.
-- Order and the machine's other load: sides run in a balanced order (`balanced_order`,
-  A B B A ...) and each request is reported as the best of its repeats (`best_of`),
-  the run least disturbed by whatever else the machine ran.
-- Warm-up: every engine serves the same warm-up prompt before its first round
-  (`child.serve`).
+- Order and the machine's other load, which comes and goes: engines run one after the
+  other meet different loads. `stepwise.run_interleaved` keeps the sides' engines up
+  together and alternates them request by request.
+- Warm-up: every engine serves the same warm-up prompt before its first request
+  (`child`).
 
-`cold_agreement` then checks the result: requests that no side found in any cache
-must take the same time on every side, within the spread of one side's own repeats.
+`cold_agreement` then checks the result: the requests that no side found in any cache
+must take the same time on both sides, up to the noise (a sign test over the pairs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvtier.vllm.engines.job import EngineJob, JobResult, RequestResult
-from kvtier.vllm.engines.run import run_job
+from kvtier.vllm.engines.job import JobResult
 
 # vLLM's reserve without a connector, per worker (vllm/utils/ompmultiprocessing.py)
 RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+# a side slower in this few or fewer of the pairs, by chance alone: the sides differ
+SIGNIFICANCE = 0.05
 
 
 def same_cpus_env(workers: int = 1) -> dict[str, str]:
@@ -40,99 +43,48 @@ def same_cpus_env(workers: int = 1) -> dict[str, str]:
     return {RESERVED_CPUS_ENV: str(workers)}
 
 
-def balanced_order(sides: Sequence[str], repeats: int) -> tuple[tuple[str, int], ...]:
-    """(side, repeat) in the order to run them: forwards, then backwards, and so on
-    (A B B A A B ...), so that over two repeats every side holds every position once
-    and a drift of the machine's load favours none."""
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats}; at least 1")
-    if len(set(sides)) != len(sides) or not sides:
-        raise ValueError(f"sides {list(sides)}: give at least one, each once")
-    order: list[tuple[str, int]] = []
-    for repeat in range(repeats):
-        ordered = sides if repeat % 2 == 0 else tuple(reversed(sides))
-        order.extend((side, repeat) for side in ordered)
-    return tuple(order)
-
-
-def run_sides(
-    jobs: Mapping[str, EngineJob],
-    repeats: int,
-    run: Callable[[str, int, EngineJob], JobResult] | None = None,
-) -> dict[str, tuple[JobResult, ...]]:
-    """Every side's job `repeats` times in `balanced_order`; each side's runs in the
-    order they ran. `run(side, repeat, job)` runs one (default: `run_job(job)`)."""
-    runs: dict[str, list[JobResult]] = {side: [] for side in jobs}
-    for side, repeat in balanced_order(tuple(jobs), repeats):
-        runs[side].append(run(side, repeat, jobs[side]) if run else run_job(jobs[side]))
-    return {side: tuple(results) for side, results in runs.items()}
-
-
-def best_of(runs: Sequence[JobResult]) -> tuple[tuple[RequestResult, ...], ...]:
-    """Per round and request, the result of the run that served it fastest."""
-    if not runs:
-        raise ValueError("no runs to take the best of")
-    shapes = {tuple(len(rnd) for rnd in run.rounds) for run in runs}
-    if len(shapes) != 1:
-        raise ValueError(f"runs of different jobs (requests per round: {sorted(shapes)})")
-    return tuple(
-        tuple(
-            min((run.rounds[r][i] for run in runs), key=lambda result: result.wall_s)
-            for i in range(len(runs[0].rounds[r]))
-        )
-        for r in range(len(runs[0].rounds))
-    )
-
-
-def cached_tokens(runs: Sequence[JobResult], r: int, i: int) -> tuple[int, int]:
-    """The fewest and most tokens request `i` of round `r` found cached over `runs`
-    (they differ when an asynchronous store finished in one run and not another)."""
-    counts = [run.rounds[r][i].num_cached_tokens for run in runs]
-    return min(counts), max(counts)
-
-
 @dataclass(frozen=True)
 class Agreement:
-    """How far the sides' cold requests (nothing cached on any side) differ."""
+    """How two sides' cold requests (nothing cached on either side) compare, pair by pair."""
 
-    requests: int  # cold requests compared
-    seconds: Mapping[str, float]  # per side: its cold requests' best times, summed
-    ratio: float  # the slowest side's sum over the fastest's
-    noise: float | None  # the largest ratio between two runs of one side; None: 1 run each
+    pairs: int  # cold requests served by both
+    seconds: Mapping[str, float]  # per side: its cold requests' times, summed
+    slower: Mapping[str, int]  # per side: the pairs in which it took longer
+    p_value: float  # two-sided sign test: the chance of a split this uneven by noise alone
 
     @property
-    def within_noise(self) -> bool | None:
-        return None if self.noise is None else self.ratio <= self.noise
+    def within_noise(self) -> bool:
+        return self.p_value >= SIGNIFICANCE
 
 
-def cold_agreement(runs: Mapping[str, Sequence[JobResult]]) -> Agreement:
-    """Compare the sides on the requests no run of any side found in a cache.
-
-    The noise is what the machine alone makes of the same requests: the largest ratio
-    between two runs of one side (their cold requests' times summed).
-    """
-    all_runs = [run for side_runs in runs.values() for run in side_runs]
-    if not all_runs:
-        raise ValueError("no runs to compare")
-    best = {side: best_of(side_runs) for side, side_runs in runs.items()}
-    cold = [
-        (r, i)
-        for r, rnd in enumerate(all_runs[0].rounds)
-        for i in range(len(rnd))
-        if cached_tokens(all_runs, r, i)[1] == 0
+def cold_agreement(results: Mapping[str, JobResult]) -> Agreement:
+    """Compare two sides on the requests that neither found in a cache."""
+    if len(results) != 2:
+        raise ValueError(f"two sides to compare, got {sorted(results)}")
+    (a, run_a), (b, run_b) = results.items()
+    if [len(rnd) for rnd in run_a.rounds] != [len(rnd) for rnd in run_b.rounds]:
+        raise ValueError(f"{a!r} and {b!r} served different requests")
+    pairs = [
+        (x, y)
+        for rnd_a, rnd_b in zip(run_a.rounds, run_b.rounds, strict=True)
+        for x, y in zip(rnd_a, rnd_b, strict=True)
+        if x.num_cached_tokens == 0 and y.num_cached_tokens == 0
     ]
-    if not cold:
-        raise ValueError("no request was cold on every side: nothing to compare")
-    seconds = {side: sum(b[r][i].wall_s for r, i in cold) for side, b in best.items()}
-    spreads = [
-        max(totals) / min(totals)
-        for side_runs in runs.values()
-        if len(side_runs) > 1
-        for totals in [[sum(run.rounds[r][i].wall_s for r, i in cold) for run in side_runs]]
-    ]
+    if not pairs:
+        raise ValueError("no request was cold on both sides: nothing to compare")
+    slower = {a: sum(x.wall_s > y.wall_s for x, y in pairs)}
+    slower[b] = sum(y.wall_s > x.wall_s for x, y in pairs)
     return Agreement(
-        requests=len(cold),
-        seconds=seconds,
-        ratio=max(seconds.values()) / min(seconds.values()),
-        noise=max(spreads) if spreads else None,
+        pairs=len(pairs),
+        seconds={a: sum(x.wall_s for x, _ in pairs), b: sum(y.wall_s for _, y in pairs)},
+        slower=slower,
+        p_value=sign_test(*slower.values()),
     )
+
+
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided p-value of `wins` against `losses` when each is a coin flip (ties out)."""
+    n, k = wins + losses, min(wins, losses)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, j) for j in range(k + 1)) / (1 << n))
