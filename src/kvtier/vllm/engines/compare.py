@@ -12,8 +12,12 @@ What made one engine look faster than another with nothing to do with what it ca
   and 1-2.4 s against ~0.3 s while other processes kept the cores busy. `same_cpus_env`
   pins the reserve to the connector-less engine's, for every side.
 - Order and the machine's other load, which comes and goes: engines run one after the
-  other meet different loads. `stepwise.run_interleaved` keeps the sides' engines up
-  together and alternates them request by request.
+  other meet different loads (whole engines run A K K A, best of 2, still differed
+  1.7x on cold prompts under a changing load). `stepwise.run_interleaved` keeps the
+  sides' engines up together and alternates them request by request.
+- vLLM's idle polling: a worker busy-polls a second after each step on its compute
+  core, so a request that follows another engine's at once shares that core (the second
+  of a pair took a median 2.2x the first). `stepwise.IDLE_S` of pause before each request.
 - Warm-up: every engine serves the same warm-up prompt before its first request
   (`child`).
 

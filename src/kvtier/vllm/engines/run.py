@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO, Any
 
 import kvtier
 from kvtier.vllm.engines.job import EngineJob, JobResult
@@ -34,22 +35,15 @@ def run_job(job: EngineJob, *, timeout_s: float = 900, workdir: Path | None = No
     with tempfile.TemporaryDirectory(prefix="kvtier-engine-", dir=workdir) as tmp:
         job_path, out_path, log_path = (Path(tmp) / n for n in ("job.json", "out.json", "log"))
         job_path.write_text(json.dumps(job.to_json()))
-        env = {**os.environ, "PYTHONPATH": _pythonpath()}
         with log_path.open("w") as log_file:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", CHILD_MODULE, str(job_path), str(out_path)],
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            proc = spawn_child([str(job_path), str(out_path)], log_file)
             try:
                 code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 code = None
-            _end_session(proc.pid)
+            end_session(proc.pid)
         log = log_path.read_text(errors="replace")
         if code != 0 or not out_path.exists():
             why = "timed out" if code is None else f"exited with {code}"
@@ -58,7 +52,21 @@ def run_job(job: EngineJob, *, timeout_s: float = 900, workdir: Path | None = No
         return JobResult.from_json(json.loads(out_path.read_text()), log, names)
 
 
-def _end_session(session: int, grace_s: float = 10.0) -> None:
+def spawn_child(args: list[str], log: IO[str], **popen: Any) -> subprocess.Popen[str]:
+    """`python -m kvtier.vllm.engines.child ARGS` in a new session (its own and every
+    process vLLM spawns: one kill ends them all), its output into `log`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", CHILD_MODULE, *args],
+        env={**os.environ, "PYTHONPATH": _pythonpath()},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+        **popen,
+    )
+
+
+def end_session(session: int, grace_s: float = 10.0) -> None:
     """Wait (at most `grace_s`) for every process of `session` to exit, then kill those left."""
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:

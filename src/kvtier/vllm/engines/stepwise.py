@@ -1,9 +1,10 @@
 """Engines kept running side by side and asked for one request at a time.
 
 `run_interleaved` starts one engine per side and serves the sides' jobs request by
-request, alternating which side goes first (A B, B A, A B, ...): on a machine whose
-other load comes and goes, each pair of the same request meets the same moment's load,
-where whole engines run one after the other meet different ones.
+request, alternating which side goes first (A B, B A, A B, ...), each request after a
+pause with every engine idle (`IDLE_S`): on a machine whose other load comes and goes,
+each pair of the same request meets the same moment's load, where whole engines run
+one after the other meet different ones.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvtier.vllm.engines.job import EngineJob, JobResult, RequestResult
-from kvtier.vllm.engines.run import CHILD_MODULE, _end_session, _pythonpath
+from kvtier.vllm.engines.run import end_session, spawn_child
 
 
 class StepwiseEngine:
@@ -36,16 +36,8 @@ class StepwiseEngine:
         read_fd, write_fd = os.pipe()
         self._replies, self._buffer = read_fd, b""
         with self.log_path.open("w") as log_file:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", CHILD_MODULE, "--stepwise", str(job_path), str(write_fd)],
-                env={**os.environ, "PYTHONPATH": _pythonpath()},
-                stdin=subprocess.PIPE,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                pass_fds=(write_fd,),
-                text=True,
-            )
+            args = ["--stepwise", str(job_path), str(write_fd)]
+            self.proc = spawn_child(args, log_file, stdin=subprocess.PIPE, pass_fds=(write_fd,))
         os.close(write_fd)
 
     def started(self) -> float:
@@ -72,7 +64,7 @@ class StepwiseEngine:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        _end_session(self.proc.pid)
+        end_session(self.proc.pid)
         os.close(self._replies)
 
     def _reply(self) -> dict[str, Any]:
