@@ -74,7 +74,8 @@ class StepwiseEngine:
             ready, _, _ = select.select([self._replies], [], [], max(left, 0.0))
             chunk = os.read(self._replies, 1 << 16) if ready else b""
             if not chunk:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 why = "timed out" if not ready else "ended"
                 raise RuntimeError(f"engine {why}; its log ends:\n{self.log()[-6000:]}")
             self._buffer += chunk
@@ -104,9 +105,10 @@ class Engine(Protocol):
 # vLLM's workers busy-poll their input queue for a second after each step
 # (`busy_loop_s` in vllm/distributed/device_communicators/shm_broadcast.py), on the core
 # their compute is bound to: an engine's request that follows another engine's at once
-# shares that core with the other's polling (measured: the second of a pair took up to
-# 2-4x the first's, whichever side it was). A pause longer than that before each request
-# starts every request with every engine idle.
+# shares that core with the other's polling (measured in the demo on a busy machine:
+# the second of a cold pair took a median 2.2x the first, whichever side it was; 1.01x
+# with this pause). A pause longer than the polling before each request starts every
+# request with every engine idle.
 IDLE_S = 1.5
 
 
