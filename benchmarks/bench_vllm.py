@@ -26,9 +26,9 @@ Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a bu
    others from kvtier's); they compare because every engine has the same CPU binding
    (vLLM's CPU build otherwise gives an engine with a connector more cores on a small
    machine: kvtier.vllm.engines.compare) and warm-up, starts with none of the previous
-   engine left, and ends with the same cold prompt, whose TTFT per engine and their
-   spread the result reports (`comparable`). `--tokens 1024` is a short run (~5 min,
-   written to vllm_1024.json).
+   engine left, and ends with a cold prompt of one length, whose TTFT per engine and their
+   spread the result reports (`comparable`). `--tokens 1024` is a short run (~8 min
+   on a busy machine, written to vllm_1024.json).
 2. Scheduler. vLLM's scheduler-side calls per request (on_new_request, lookup per key
    until a miss, prepare_load/complete_load of the hits, touch, prepare_store,
    complete_store, on_request_finished) on the public conversation trace, with vLLM's
@@ -74,10 +74,11 @@ SETTLE_S = 5.0  # before a timed return: the tiers' asynchronous writes finish f
 TARGET_VS_RECOMPUTE = 20.0
 TARGET_VS_POOL_HIT = 3.0
 TARGET_VS_RAW = 0.5
-# Every engine ends with the same cold prompt (in no cache or tier of any engine), after
+# Every engine ends with a cold prompt of the same length (in no cache or tier), after
 # a settle: its TTFT says whether the engines computed alike, which every row compared
 # across engines (recompute and pool hit against the kvtier rows) assumes.
 CALIBRATE = "calibrate"
+ENGINES = ("baseline", "kvtier", "disk", "redis")
 
 
 @dataclass(frozen=True)
@@ -152,9 +153,13 @@ def bench_ttft(workdir: Path, size: Size = FULL) -> dict[str, Any]:
     model = write_model(workdir / "model", QWEN2_05B, weights=False)
     a, b, c = random_prompts(3, size.prompt_tokens, QWEN2_05B.vocab, seed=1)
     (flush,) = random_prompts(1, BLOCK, QWEN2_05B.vocab, seed=2)
-    # a quarter of a prompt, distinct from every other prompt (its first token differs)
-    (cold,) = random_prompts(4, size.prompt_tokens // 4, QWEN2_05B.vocab, seed=3)[3:]
-    calibrate = _once(cold, CALIBRATE, SETTLE_S)
+    # a quarter of a prompt per engine, in no cache: one prompt for all would be a hit
+    # in the disk and Redis engines, which read what the writer wrote through
+    colds = random_prompts(len(ENGINES), size.prompt_tokens // 4, QWEN2_05B.vocab, seed=3)
+    calibrate = {
+        name: _once(prompt, CALIBRATE, SETTLE_S)
+        for name, prompt in zip(ENGINES, colds, strict=True)
+    }
     disk_path = workdir / "kvtier-disk"
     # vLLM submits a step's stores at the start of the next step: after C the engine is
     # idle, so C's stores (and their disk and Redis writes) would start with A's return
@@ -166,19 +171,18 @@ def bench_ttft(workdir: Path, size: Size = FULL) -> dict[str, Any]:
         _once(c, "c"),
         _once(flush, "flush", SETTLE_S),
         _once(a, "return", SETTLE_S),
-        calibrate,
     )
     runs: dict[str, JobResult] = {}
     with redis_server() as port:
         url = f"redis://127.0.0.1:{port}/0"
-        baseline = (_once(a, "first"), _once(a, "pool_hit"), *served[1:])
+        baseline = (_once(a, "first"), _once(a, "pool_hit"), *served[1:], calibrate["baseline"])
         runs["baseline"] = _timed_run("baseline (no connector)", _job(model, baseline, None, size))
         logs = {name: workdir / f"transfers-{name}.jsonl" for name in ("kvtier", "disk", "redis")}
         writer = kvtier_config("writer", disk_path, url, size)
-        writer_job = _job(model, served, writer, size, logs["kvtier"])
+        writer_job = _job(model, (*served, calibrate["kvtier"]), writer, size, logs["kvtier"])
         runs["kvtier"] = _timed_run("kvtier writer", writer_job)
-        restart = (_once(a, "return"), calibrate)
         for name, label in (("disk", "kvtier disk restart"), ("redis", "kvtier redis")):
+            restart = (_once(a, "return"), calibrate[name])
             job = _job(model, restart, kvtier_config(name, disk_path, url, size), size, logs[name])
             runs[name] = _timed_run(label, job)
         copies = {name: load_copies(path) for name, path in logs.items()}
@@ -278,7 +282,7 @@ def summarize(
 
 def comparability(runs: dict[str, JobResult], size: Size) -> dict[str, Any]:
     """How the rows of different engines were made comparable, and how well they are:
-    the TTFT of the same cold prompt in every engine, and the spread between them."""
+    the TTFT of a cold prompt of the same length in every engine, and their spread."""
     cold = {name: run.round(CALIBRATE)[0] for name, run in runs.items()}
     ttft = {name: result.wall_s for name, result in cold.items()}
     return {
@@ -287,7 +291,7 @@ def comparability(runs: dict[str, JobResult], size: Size) -> dict[str, Any]:
             + ", ".join(f"{k}={v}" for k, v in same_cpus_env().items())
             + "; without it vLLM's CPU build gives an engine with a connector more cores"
             " on a small machine), the same warm-up, started only once the previous"
-            " engine's processes had all ended; each ends with the same cold prompt"
+            " engine's processes had all ended; each ends with a cold prompt of the same length"
         ),
         "cold_prompt_tokens": size.prompt_tokens // 4,
         "cold_prompt_cached_tokens": {name: r.num_cached_tokens for name, r in cold.items()},
@@ -487,8 +491,9 @@ def main(argv: list[str] | None = None) -> None:
         comparable = ttft["comparable"]
         print(f"   rows made comparable: {comparable['how']}", flush=True)
         print(
-            f"   the same cold {comparable['cold_prompt_tokens']:,}-token prompt per engine: "
+            f"   a cold {comparable['cold_prompt_tokens']:,}-token prompt per engine: "
             + ", ".join(f"{n} {s:.2f} s" for n, s in comparable["cold_prompt_ttft_s"].items())
+            + f", cached tokens {comparable['cold_prompt_cached_tokens']}"
             + f" (slowest/fastest {comparable['cold_prompt_spread']:.2f})",
             flush=True,
         )
