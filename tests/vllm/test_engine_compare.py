@@ -79,6 +79,7 @@ def test_cold_agreement_pairs_only_requests_cold_on_both_sides() -> None:
     assert cold.pairs == 3
     assert cold.seconds == pytest.approx({"A": 1.21, "K": 1.23})
     assert cold.slower == {"A": 1, "K": 2}
+    assert cold.median_ratio == pytest.approx(0.30 / 0.31)  # of that, 0.41/0.40 and 0.50/0.52
     assert cold.p_value == 1.0 and cold.within_noise
 
 
@@ -88,6 +89,7 @@ def test_cold_agreement_flags_one_side_always_faster() -> None:
     kvtier = result(tuple((0.16 + j / 100, 0) for j in range(9)))
     cold = cold_agreement({"A": alone, "K": kvtier})
     assert cold.slower == {"A": 9, "K": 0}
+    assert cold.median_ratio == pytest.approx(0.32 / 0.20)
     assert cold.p_value == pytest.approx(2 / 2**9)
     assert not cold.within_noise
 

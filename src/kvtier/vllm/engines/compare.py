@@ -28,6 +28,7 @@ must take the same time on both sides, up to the noise (a sign test over the pai
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -53,6 +54,9 @@ class Agreement:
 
     pairs: int  # cold requests served by both
     seconds: Mapping[str, float]  # per side: its cold requests' times, summed
+    # the median over the pairs of the first side's time over the second's: unlike the
+    # sums', one request that met a burst of the machine's other load does not move it
+    median_ratio: float
     slower: Mapping[str, int]  # per side: the pairs in which it took longer
     p_value: float  # two-sided sign test: the chance of a split this uneven by noise alone
 
@@ -81,6 +85,7 @@ def cold_agreement(results: Mapping[str, JobResult]) -> Agreement:
     return Agreement(
         pairs=len(pairs),
         seconds={a: sum(x.wall_s for x, _ in pairs), b: sum(y.wall_s for _, y in pairs)},
+        median_ratio=statistics.median(x.wall_s / y.wall_s for x, y in pairs),
         slower=slower,
         p_value=sign_test(*slower.values()),
     )
