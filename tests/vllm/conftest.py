@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.engine import (
+from kvtier.vllm.engines import (
     TINY,
     EngineJob,
     JobResult,

@@ -28,8 +28,10 @@ from typing import Any
 
 from kvtier.router import EngineSpec
 from kvtier.vllm import transfer_config
+from kvtier.vllm.engines import TINY, ModelShape
 from tests.router.model_dir import write_tokenizer
-from tests.vllm.engine import REPO_ROOT, TINY, ModelShape
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 BLOCK = 32
 POOL_BLOCKS = 128  # each server's pool (num_gpu_blocks_override)

@@ -21,7 +21,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.vllm.engine import REPO_ROOT, _pythonpath
+from kvtier.vllm.engines.run import _pythonpath
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 MODEL_NAME = "tiny"
 

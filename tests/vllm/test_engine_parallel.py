@@ -26,9 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.remote.conftest import serve_redis
-from tests.vllm.conftest import EngineRuns, _locked
-from tests.vllm.engine import (
+from kvtier.vllm.engines import (
     TINY,
     TINY_HYBRID,
     EngineJob,
@@ -38,6 +36,8 @@ from tests.vllm.engine import (
     run_job,
     tensor_parallel_env,
 )
+from tests.remote.conftest import serve_redis
+from tests.vllm.conftest import EngineRuns, _locked
 from tests.vllm.engine_workloads import (
     CACHEABLE_TOKENS,
     FILLER,

@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
+from kvtier.vllm.engines import TINY
 from tests.remote.conftest import serve_redis
 from tests.vllm.conftest import EngineRuns, _locked
-from tests.vllm.engine import TINY
 from tests.vllm.engine_events import KVEvent, KVEventSubscriber
 from tests.vllm.engine_workloads import CACHEABLE_TOKENS, overflow_rounds
 from tests.vllm.server import MODEL_NAME, Server, text_of, write_tokenizer

@@ -23,8 +23,8 @@ from kvtier.router.replay import replay_engines
 from kvtier.sim import ReplayConfig
 from kvtier.sim.traces import read_tokens
 from kvtier.sim.workload import Workload
+from kvtier.vllm.engines import TINY
 from tests.vllm.conftest import EngineRuns, _locked
-from tests.vllm.engine import TINY
 from tests.vllm.openai_servers import BLOCK, POOL_BLOCKS, chat_model, openai_servers
 from tests.vllm.router_workload import MAX_TOKENS, Turn, play, user_messages
 
