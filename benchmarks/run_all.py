@@ -17,6 +17,7 @@ BENCHMARKS = (
     "bench_replay",
     "bench_store",
     "bench_redis",
+    "bench_disk_writes",
 )
 
 

@@ -6,9 +6,14 @@ A few chats whose every turn resends the whole conversation so far plus a new me
 with other traffic between the turns: the engine's small pool (vLLM's own prefix cache)
 cannot keep a chat until its next turn, so without offloading every turn recomputes
 the conversation; with kvtier the evicted blocks come back from its tiers. The same
-requests run on two engines, one after the other (vLLM's CPU build here: a Qwen2-style
+requests run on engines without and with kvtier (vLLM's CPU build here: a Qwen2-style
 model with dummy weights, nothing downloaded), and each request's time to first token
 is printed side by side.
+
+The two sides are made comparable (kvtier.vllm.engines.compare): the same CPU binding
+and warm-up, both engines up at once and each request served on one, then the other
+(which goes first alternates); the requests that neither side found cached must then
+take the same time on both, and the table says whether they did.
 """
 
 from __future__ import annotations
@@ -22,10 +27,23 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from tests.vllm.engine import EngineJob, JobResult, ModelShape, Round, run_job, write_model
-from tests.vllm.engine_workloads import random_prompts
 
 from kvtier.vllm import transfer_config
+from kvtier.vllm.engines import (
+    EngineJob,
+    JobResult,
+    ModelShape,
+    Round,
+    random_prompts,
+    write_model,
+)
+from kvtier.vllm.engines.compare import (
+    RESERVED_CPUS_ENV,
+    Agreement,
+    cold_agreement,
+    same_cpus_env,
+)
+from kvtier.vllm.engines.stepwise import IDLE_S, run_interleaved
 
 MODEL = ModelShape(
     "qwen2", layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1408, vocab=32000
@@ -35,6 +53,7 @@ POOL_BLOCKS = 80  # 2,560 tokens: the pool holds about two conversations
 # The kvtier side's extra config (kv_connector_extra_config keys, README "With vLLM");
 # --kvtier replaces it. 1 GiB of CPU memory holds every conversation here.
 DEFAULT_KVTIER: dict[str, Any] = {"cpu_bytes_to_use": 1 << 30}
+ALONE, KVTIER = "vLLM alone", "vLLM + kvtier"
 
 
 @dataclass(frozen=True)
@@ -72,30 +91,48 @@ def engine_job(model: Path, workload: Workload, kv_transfer_config: Any) -> Engi
         num_blocks=POOL_BLOCKS,
         max_model_len=(longest // BLOCK + 2) * BLOCK,
         kv_transfer_config=kv_transfer_config,
-        env={"VLLM_LOGGING_LEVEL": "WARNING"},
+        # both sides compute on the same cores (kvtier.vllm.engines.compare)
+        env={"VLLM_LOGGING_LEVEL": "WARNING", **same_cpus_env()},
     )
 
 
-def table(workload: Workload, without: JobResult, with_kvtier: JobResult) -> Table:
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms"
+
+
+def table(workload: Workload, results: dict[str, JobResult]) -> Table:
+    """Each request on both sides, and the check that the requests cached on neither
+    side took the same time on both."""
+    alone, kvtier = results[ALONE], results[KVTIER]
     out = Table(title="Time to first token: vLLM alone vs vLLM + kvtier")
     for column in ("request", "prompt", "cached", "TTFT", "cached+kvtier", "TTFT+kvtier", "x"):
         out.add_column(column, justify="left" if column == "request" else "right")
     totals = [0.0, 0.0]
     for r, labels in enumerate(workload.labels):
         for i, label in enumerate(labels):
-            a, b = without.rounds[r][i], with_kvtier.rounds[r][i]
+            a, b = alone.rounds[r][i], kvtier.rounds[r][i]
             totals[0] += a.wall_s
             totals[1] += b.wall_s
             out.add_row(
                 label or "[dim]other traffic[/dim]",
                 str(workload.prompt_tokens[r][i]),
                 str(a.num_cached_tokens),
-                f"{a.wall_s * 1e3:.0f} ms",
+                _ms(a.wall_s),
                 str(b.num_cached_tokens),
-                f"{b.wall_s * 1e3:.0f} ms",
+                _ms(b.wall_s),
                 f"{a.wall_s / b.wall_s:.1f}",
             )
     out.add_section()
+    cold = cold_agreement(results)
+    out.add_row(
+        f"cold ({cold.pairs} requests; x: median)",
+        "",
+        "",
+        f"{cold.seconds[ALONE]:.2f} s",
+        "",
+        f"{cold.seconds[KVTIER]:.2f} s",
+        f"{cold.median_ratio:.2f}",
+    )
     out.add_row(
         "all requests",
         "",
@@ -105,7 +142,23 @@ def table(workload: Workload, without: JobResult, with_kvtier: JobResult) -> Tab
         f"{totals[1]:.2f} s",
         f"{totals[0] / totals[1]:.1f}",
     )
+    out.caption = fairness_note(cold)
     return out
+
+
+def fairness_note(cold: Agreement) -> str:
+    """How the two sides were made comparable, and whether their cold requests agree."""
+    verdict = "agree within noise" if cold.within_noise else "DIFFER by more than noise"
+    return (
+        f"Comparable sides: the same CPU binding ({RESERVED_CPUS_ENV}="
+        f"{same_cpus_env()[RESERVED_CPUS_ENV]}; without it vLLM's CPU build gives the "
+        f"engine with a connector more cores) and warm-up; both engines up at once, "
+        f"serving each request in turn, the side going first alternating, each request "
+        f"after {IDLE_S:g} s with both engines idle. Cold requests "
+        f"(nothing cached on either side): vLLM alone slower in {cold.slower[ALONE]}, "
+        f"kvtier in {cold.slower[KVTIER]} of {cold.pairs}: {verdict} (sign test "
+        f"p={cold.p_value:.2f})."
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,13 +180,15 @@ def main(argv: list[str] | None = None) -> None:
     config = transfer_config(**args.kvtier)  # checked before any engine starts
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         model = write_model(Path(tmp) / "model", MODEL, weights=False)
-        results = []
-        for label, kv_config in (("vLLM alone", None), ("vLLM + kvtier", config)):
-            with console.status(f"{label}: starting an engine and serving the chats"):
-                result = run_job(engine_job(model, workload, kv_config), timeout_s=1800)
-            console.print(f"{label}: engine started in {result.start_s:.0f} s")
-            results.append(result)
-    console.print(table(workload, *results))
+        jobs = {
+            ALONE: engine_job(model, workload, None),
+            KVTIER: engine_job(model, workload, config),
+        }
+        with console.status("starting both engines, then serving the chats on each in turn"):
+            runs = run_interleaved(jobs)
+    for side, result in runs.items():
+        console.print(f"{side}: engine started in {result.start_s:.0f} s")
+    console.print(table(workload, runs))
     console.print(
         f"kvtier config: {json.dumps(config['kv_connector_extra_config'])}\n"
         f"model: {MODEL.layers} layers, hidden {MODEL.hidden}, dummy weights; engine pool "

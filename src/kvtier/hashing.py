@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 
 from kvtier.types import BlockHash
+from kvtier.validate import positive_int
 
 HashAlgorithm = Literal["sha256_cbor", "xxh3_128"]
 HASH_ALGORITHMS: tuple[HashAlgorithm, ...] = ("sha256_cbor", "xxh3_128")
@@ -58,11 +59,14 @@ def digest_function(algorithm: HashAlgorithm) -> Callable[[bytes], bytes]:
 # Token ids are vocabulary indices: [0, 2**32) covers every tokenizer in use, and
 # is what the batched encoder handles. Requests and token traces refuse others.
 MAX_TOKEN_ID = (1 << 32) - 1
+# Negative ids are placeholders (vLLM's prefix-caching tests give multimodal inputs -1),
+# which vLLM's manager takes and hashes like any token; int32's range, as vLLM holds them.
+MIN_TOKEN_ID = -(1 << 31)
 
 
 def check_token_ids(token_ids: Sequence[int] | Any, where: str = "token ids") -> list[int]:
     """The tokens as a new list, refused (naming the first bad one and its position)
-    unless every one is an integer in [0, MAX_TOKEN_ID] (numpy integers are kept as
+    unless every one is an integer in [MIN_TOKEN_ID, MAX_TOKEN_ID] (numpy integers are kept as
     given: hashing takes them)."""
     if isinstance(token_ids, np.ndarray):
         if token_ids.dtype.kind not in "iu" or token_ids.ndim != 1:
@@ -77,7 +81,7 @@ def check_token_ids(token_ids: Sequence[int] | Any, where: str = "token ids") ->
         tokens = list(token_ids)
     try:  # the common case checked in C: ints that fit in 64 bits, then numpy's min/max
         values = np.frombuffer(array.array("q", tokens), dtype=np.int64)
-        if not values.size or (values.min() >= 0 and values.max() <= MAX_TOKEN_ID):
+        if not values.size or (values.min() >= MIN_TOKEN_ID and values.max() <= MAX_TOKEN_ID):
             return tokens
     except (OverflowError, TypeError):
         pass
@@ -85,20 +89,13 @@ def check_token_ids(token_ids: Sequence[int] | Any, where: str = "token ids") ->
         if (
             isinstance(token, bool)
             or not isinstance(token, int | np.integer)
-            or not 0 <= token <= MAX_TOKEN_ID
+            or not MIN_TOKEN_ID <= token <= MAX_TOKEN_ID
         ):
             raise ValueError(
                 f"{where}: token {position} is {token!r}; token ids are integers in "
-                f"[0, {MAX_TOKEN_ID}]"
+                f"[{MIN_TOKEN_ID}, {MAX_TOKEN_ID}]"
             )
     return [int(t) for t in tokens]
-
-
-def positive_int(name: str, value: object, minimum: int = 1) -> int:
-    """`value` itself when it is an int (not a bool) >= minimum; else a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def hash_object(obj: Any, algorithm: HashAlgorithm = "sha256_cbor") -> BlockHash:

@@ -20,9 +20,9 @@ from kvtier.hashing import (
     check_mm_inputs,
     check_token_ids,
     hash_blocks,
-    positive_int,
 )
 from kvtier.types import BlockHash
+from kvtier.validate import positive_int
 
 
 class Request:

@@ -174,3 +174,30 @@ def test_failed_demotions_are_remembered_per_slot_so_the_record_stays_bounded(
         assert engine.handler._failed_demotions == {}
     finally:
         engine.close()
+
+
+def test_discards_are_their_own_jobs_run_in_order_with_the_stores(tmp_path: Path) -> None:
+    """The scheduler lets disk blocks go (evicted, failed); their files are deleted by a
+    discard job, run in submission order with the stores (not dressed as a store)."""
+    from kvtier.transfer.transfer_worker import TransferWorker
+
+    engine = Engine(PER_LAYER, tmp_path, disk_writes="write_through")
+    try:
+        engine.store(hs(0, 1), [0, 1])
+        assert engine.finish() == {"ok": 1, "failed": 0}
+        directory = engine.disk_store.directory
+        assert (directory / file_name(int_block_hash(0))).exists()
+        engine.worker.submit_discard(100, hs(0))
+        engine.store(hs(2), [2])
+        engine.worker.wait([100])
+        assert not (directory / file_name(int_block_hash(0))).exists()
+        assert (directory / file_name(int_block_hash(1))).exists()
+        results = engine.worker.get_finished()
+        assert [r.job_id for r in results][:1] == [100] and results[0].ok
+        with (
+            TransferWorker.for_store(engine.kv, engine.memory) as memory_worker,
+            pytest.raises(TypeError, match="HostSlotHandler holds no blocks to discard"),
+        ):
+            memory_worker.submit_discard(7, hs(1))
+    finally:
+        engine.close()

@@ -74,7 +74,14 @@ def test_malformed_trace_error_names_file_line_field(
     ("argv", "message"),
     [
         (["replay", "--policy", "nope", "--limit", "10"], "unknown cache policy 'nope'"),
-        (["replay", "--store-threshold", "1", "--limit", "10"], "store_threshold"),
+        (
+            ["replay", "--store-threshold", "-1", "--limit", "10"],
+            "store_threshold must be an integer >= 0, got -1",
+        ),
+        (
+            ["replay", "--disk-writes", "always", "--disk-blocks", "9", "--limit", "10"],
+            "disk_writes must be 'demote' or 'write_through', got 'always'",
+        ),
         (["replay", "--cpu-frac", "2", "--limit", "10"], "cpu_frac"),
         (["compare", "--fracs", "0.1,x", "--limit", "10"], "--fracs"),
     ],
@@ -163,11 +170,12 @@ def _without_bytes(doc: dict[str, object]) -> list[object]:
     assert isinstance(results, list)
     return [
         {
-            **{k: v for k, v in r.items() if k not in ("seconds", "tiers")},
+            **{k: v for k, v in r.items() if k not in ("seconds", "tiers", "metrics")},
             "tiers": {
                 name: {k: v for k, v in t.items() if k not in bytes_fields}
                 for name, t in r["tiers"].items()
             },
+            "metrics": {k: v for k, v in r["metrics"].items() if "_bytes" not in k},
         }
         for r in results
     ]
@@ -269,3 +277,29 @@ def test_disk_dir_reports_recovery(tmp_path: Path, capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "disk tier reopened at" in out and " 0 blocks recovered" not in out
     assert "blocks recovered from earlier runs can beat both bounds" in out
+
+
+def test_replay_json_has_the_engine_metric_names(capsys: pytest.CaptureFixture[str]) -> None:
+    """`/metrics` of an engine with kvtier and the replay's JSON use the same names."""
+    doc = _json(
+        capsys,
+        "replay",
+        "--json",
+        "--limit",
+        "150",
+        "--policy",
+        "lru",
+        "--cpu-blocks",
+        "40",
+        "--disk-blocks",
+        "80",
+    )
+    (result,) = doc["results"]  # type: ignore[index]
+    metrics, tiers = result["metrics"], result["tiers"]
+    assert metrics["vllm:kvtier_load_blocks_total"] == {
+        "cpu": tiers["cpu"]["hit_blocks"],
+        "disk": tiers["disk"]["hit_blocks"],
+    }
+    assert metrics["vllm:kvtier_store_blocks_total"]["disk"] == tiers["disk"]["stores"]
+    assert metrics["vllm:kvtier_capacity_blocks"] == {"cpu": 40, "disk": 80}
+    assert metrics["vllm:kvtier_evicted_blocks_total"]["cpu"] == tiers["cpu"]["evictions"]

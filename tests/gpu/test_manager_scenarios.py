@@ -252,11 +252,11 @@ class TestBadInput:
         m = make()
         a = Request("a", list(range(8)))
         for bad in (0, -3):
-            with pytest.raises(ValueError, match="num_tokens must be an int >= 1"):
+            with pytest.raises(ValueError, match="num_tokens must be an integer >= 1"):
                 allocate(m, a, bad)
         allocate(m, a, 8)
         before = snapshot(m, ["a"])
-        with pytest.raises(ValueError, match="num_tokens must be an int >= 0, got -1"):
+        with pytest.raises(ValueError, match="num_tokens must be an integer >= 0, got -1"):
             append(m, a, -1)
         assert append(m, a, 0) == []  # the seed's answer: nothing to add
         with pytest.raises(ValueError, match="append its tokens first"):

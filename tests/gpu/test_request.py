@@ -101,7 +101,7 @@ def test_token_views() -> None:
         (["a"] * 40, "token 0 is 'a'"),
         ([1, 2, 3.0], "token 2 is 3.0"),
         ([1, None], "token 1 is None"),
-        ([5, -1], "token 1 is -1"),
+        ([5, -(2**31) - 1], "token 1 is -2147483649"),
         ([2**32], "token 0 is 4294967296"),
         ([2**70], "token 0 is 1180591620717411303424"),
         ("abc", "must be a sequence of integers"),
@@ -117,8 +117,8 @@ def test_bad_token_ids_are_refused_before_any_allocation(tokens: Any, bad: str) 
         Request("r", tokens)
     assert manager.block_pool.get_num_free_blocks() == free
     request = Request("r", [1, 2, 3])
-    with pytest.raises(ValueError, match=r"output token ids: token 1 is -5; token ids are"):
-        request.append_output_token_ids([4, -5])
+    with pytest.raises(ValueError, match=r"output token ids: token 1 is -2147483649; token ids"):
+        request.append_output_token_ids([4, -(2**31) - 1])
     with pytest.raises(ValueError, match=r"token 0 is np.int64\(4294967296\)"):
         request.append_output_token_ids(np.int64(2**32))
     assert request.num_tokens == 3 and list(request.all_token_ids) == [1, 2, 3]
@@ -129,3 +129,17 @@ def test_numpy_token_ids_are_taken() -> None:
     request.append_output_token_ids([np.int64(7)])
     assert list(request.all_token_ids) == [0, 1, 2, 3, 4, 7]
     assert list(request.block_hashes) == hash_request_blocks([0, 1, 2, 3, 4, 7], 2)
+
+
+def test_placeholder_token_ids_are_taken_as_vllm_takes_them() -> None:
+    """vLLM's prefix-caching tests give multimodal inputs the placeholder token -1: its
+    manager takes them and hashes them like any token, and so does kvtier's."""
+    from kvtier import KVCacheManager
+
+    tokens = [-1] * 20 + list(range(12))
+    request = Request("r", tokens, mm_inputs=[("img", 0, 20)])
+    assert request.get_block_hashes(16, "sha256_cbor") == hash_request_blocks(
+        tokens, 16, mm_inputs=[("img", 0, 20)]
+    )
+    manager = KVCacheManager(block_size=16, num_gpu_blocks=8, max_model_len=64)
+    assert manager.allocate_slots(request, len(tokens)) is not None

@@ -26,7 +26,7 @@ def make(**kwargs: int | bool) -> FilterReusedOffloadingManager:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"store_threshold": 0}, "store_threshold must be an int >= 1, got 0"),
+        ({"store_threshold": 0}, "store_threshold must be an integer >= 1, got 0"),
         ({"store_threshold": 2.5}, "store_threshold"),
         ({"max_tracker_size": 0}, "max_tracker_size"),
     ],

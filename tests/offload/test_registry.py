@@ -7,6 +7,7 @@ from collections.abc import Iterator, Set
 import pytest
 
 from kvtier.offload import CPUOffloadingManager, LRUCachePolicy, register_policy
+from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies import (
     ARCCachePolicy,
     available_policies,
@@ -21,7 +22,9 @@ from kvtier.types import BlockHash, int_block_hash
 class MRUPolicy(LRUCachePolicy):
     """A policy from outside the package: evicts the most recent blocks first."""
 
-    def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
+    def evict_split(
+        self, n: int, protected: Set[BlockHash]
+    ) -> tuple[list[BlockHash], list[BlockStatus]] | None:
         victims: Victims = []
         for key in reversed(self.keys()):
             block = self.get(key)
@@ -32,7 +35,7 @@ class MRUPolicy(LRUCachePolicy):
             return None
         for key, _ in victims:
             self.remove(key)
-        return victims
+        return [key for key, _ in victims], [block for _, block in victims]
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from hypothesis import settings
 from kvtier.cli import main
 from kvtier.offload import CPUOffloadingManager, PolicyOffloadingManager
 from kvtier.offload.policies.reuse import SETTINGS, ReuseCachePolicy
-from kvtier.offload.policies.scored import COLD, MORE, NEW, NEW_IN_CHAIN, TWICE
+from kvtier.offload.structures.scored_lists import COLD, MORE, NEW, NEW_IN_CHAIN, TWICE
 from kvtier.sim import GeneratorConfig, ReplayConfig, generate_workload, load_workload, replay
 from kvtier.types import BlockHash, int_block_hash
 from tests.offload.suite import offloading_manager_machine

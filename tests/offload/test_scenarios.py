@@ -310,5 +310,5 @@ def test_generic_manager_takes_a_policy_instance() -> None:
 def test_backend_refuses_a_block_size_that_is_not_a_positive_int(block_size: object) -> None:
     from kvtier.offload import CPUBackend
 
-    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
         CPUBackend(block_size, 4)  # type: ignore[arg-type]

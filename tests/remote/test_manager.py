@@ -304,3 +304,26 @@ def test_the_tier_holds_dropped_managers_weakly_and_closes_the_live_ones(
     tier.close()
     threads = live._async._executor._threads  # type: ignore[union-attr]
     assert threads and not any(t.is_alive() for t in threads)  # its lookup thread stopped
+
+
+def test_a_reset_moves_to_a_key_epoch_that_peers_share_once_they_reset(
+    redis_server: RedisServer,
+) -> None:
+    from kvtier.remote.remote_manager import epoch_salt
+
+    tier = tier_for(redis_server)
+    try:
+        engine, peer = (tier.manager(synthetic_payload_bytes=64) for _ in range(2))
+        store_all(engine, H[:3])
+        assert engine.reset_cache(epoch_salt(1)) == []  # Redis keeps no table to list
+        assert engine.lookup(H[:3]) == 0  # the keys of before are never read again
+        assert peer.lookup(H[:3]) == 3  # a peer that did not reset still reads them
+        store_all(engine, H[5:7])
+        assert peer.lookup(H[5:7]) == 0
+        peer.reset_cache(epoch_salt(1))
+        assert peer.lookup(H[5:7]) == 2
+        assert epoch_salt(0) is None and epoch_salt(2, "tenant") == "tenant#epoch2"
+        with pytest.raises(ValueError, match="epoch must be >= 0"):
+            epoch_salt(-1)
+    finally:
+        tier.close()

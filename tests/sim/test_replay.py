@@ -86,8 +86,11 @@ def test_blocks_being_loaded_refuse_stores_under_concurrency() -> None:
 def test_config_errors() -> None:
     with pytest.raises(ValueError, match="not both"):
         ReplayConfig(cpu_blocks=3, cpu_frac=0.1)
-    with pytest.raises(ValueError, match="store_threshold"):
-        ReplayConfig(store_threshold=1)
+    # the engine's extra config refuses the same values with the same words
+    with pytest.raises(ValueError, match="store_threshold must be an integer >= 0, got -1"):
+        ReplayConfig(store_threshold=-1)
+    with pytest.raises(ValueError, match="disk_writes must be 'demote' or 'write_through'"):
+        ReplayConfig(disk_writes="always")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cpu_frac"):
         ReplayConfig(cpu_frac=1.5)
     with pytest.raises(ValueError, match=r"nope"):

@@ -177,3 +177,25 @@ def test_discard_never_raises_when_the_file_cannot_be_deleted(
     assert "could not delete" in caplog.text
     assert store.stats().num_blocks == 1  # its bytes no longer count against capacity
     assert read(store, 2) == payload(2)
+
+
+def test_block_files_deleted_from_outside_the_store_stay_gone_after_reopen(
+    tmp_path: Path,
+) -> None:
+    """A scheduler fencing blocks off (a reset, a shutdown) deletes files itself."""
+    from kvtier.store.diskformat import delete_block_files, delete_block_files_except
+
+    store = open_store(tmp_path)
+    hashes = [int_block_hash(i) for i in range(5)]
+    store.write(hashes, [payload(i) for i in range(5)])
+    directory = store.directory
+    store.close()
+    assert delete_block_files(directory, [*hashes[:2], int_block_hash(99)]) == 2
+    assert delete_block_files_except(directory, {hashes[4]}) == 2
+    assert delete_block_files_except(tmp_path / "absent", set()) == 0
+    reopened = open_store(tmp_path)
+    try:
+        assert reopened.recovered == [hashes[4]]
+        assert (directory / "layout.json").exists()  # only block files are touched
+    finally:
+        reopened.close()

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.engine import (
+from kvtier.vllm.engines import (
     TINY,
     EngineJob,
     JobResult,
+    ModelShape,
     run_job,
     write_model,
 )
@@ -58,12 +59,12 @@ class EngineRuns:
             cached.write_bytes(pickle.dumps(run))
             return run
 
-    def model(self) -> Path:
-        """The tiny model with seeded weights, written once per session."""
-        with _locked(self.root / "tiny-model.lock"):
-            directory = self.root / "tiny-model"
+    def model(self, shape: ModelShape = TINY, name: str = "tiny-model") -> Path:
+        """A model (the tiny one by default) with seeded weights, written once per session."""
+        with _locked(self.root / f"{name}.lock"):
+            directory = self.root / name
             if not (directory / "model.safetensors").exists():
-                write_model(directory, TINY, weights=True)
+                write_model(directory, shape, weights=True)
             return directory
 
 

@@ -24,6 +24,7 @@ class KVEvent:
     token_ids: tuple[int, ...] = ()  # BlockStored only
     parent_block_hash: Any = None  # BlockStored only
     seq: int = -1  # the publisher's batch number
+    locality: str | None = None  # with medium STORAGE: LOCAL (disk) or REMOTE (Redis)
 
 
 class KVEventSubscriber:
@@ -92,8 +93,9 @@ class KVEventSubscriber:
 def _event(raw: dict[str, Any], seq: int) -> KVEvent:
     kind = raw["type"]
     hashes = tuple(raw.get("block_hashes", ()))
-    medium = raw.get("medium")
+    medium, locality = raw.get("medium"), raw.get("locality")
     if kind == "BlockStored":
         tokens = tuple(raw["token_ids"])
-        return KVEvent(kind, medium, hashes, tokens, raw.get("parent_block_hash"), seq)
-    return KVEvent(kind, medium, hashes, seq=seq)
+        parent = raw.get("parent_block_hash")
+        return KVEvent(kind, medium, hashes, tokens, parent, seq, locality)
+    return KVEvent(kind, medium, hashes, seq=seq, locality=locality)

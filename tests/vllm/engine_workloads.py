@@ -7,11 +7,10 @@ offloading connector; rounds are named so a test reads `result.round("return")`.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
-from tests.vllm.engine import EngineJob, Round
+from kvtier.vllm.engines import EngineJob, Round, random_prompts
 
 BLOCK = 32
 POOL_BLOCKS = 24  # 23 usable: vLLM keeps one as its null block
@@ -21,16 +20,6 @@ FILLERS = 5  # 5 x 7 blocks > 23: nothing of the returning prompt stays in the p
 
 # round names, in the order the job serves them
 FIRST, POOL_HIT, FILLER, RETURN = "first", "pool_hit", "filler", "return"
-
-
-def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
-    """Distinct prompts (their first tokens differ, so they share no block)."""
-    rng = random.Random(seed)
-    prompts: list[tuple[int, ...]] = []
-    for index in range(count):
-        body = [rng.randrange(3, vocab) for _ in range(length - 1)]
-        prompts.append((3 + index % (vocab - 3), *body))
-    return prompts
 
 
 def overflow_rounds(vocab: int, seed: int = 0) -> tuple[Round, ...]:

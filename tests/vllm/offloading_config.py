@@ -1,5 +1,7 @@
-"""vLLM's `OffloadingConfig` for one engine on one worker, as the connector builds it:
-the tests that drive an offloading spec in process (no engine) all start from here."""
+"""vLLM's `OffloadingConfig` for one engine, as the connector builds it: the tests that
+drive an offloading spec in process (no engine) all start from here. One worker and one
+KV-cache group unless asked (`tp`, `rank`, `pp`; `groups` of `num_layers` layers each,
+as vLLM groups a hybrid model's layers)."""
 
 from __future__ import annotations
 
@@ -30,27 +32,38 @@ def offloading_config(
     tokens_per_block: int = 32,
     events: bool = False,
     model: str = "tiny-test-model",
+    groups: int = 1,
+    tp: int = 1,
+    rank: int = 0,
+    pp: int = 1,
+    engine_id: str | None = None,
 ) -> OffloadingConfig:
-    """One KV-cache group of `num_layers` layers; a fresh engine id per call."""
-    layers = tuple(f"l{i}" for i in range(num_layers))
+    """`groups` KV-cache groups of `num_layers` layers; a fresh engine id per call
+    unless given (the scheduler and the workers of one engine share theirs)."""
+    group_configs = tuple(
+        OffloadingGroupConfig(
+            tokens_per_block, tuple(f"l{g * num_layers + i}" for i in range(num_layers)), g
+        )
+        for g in range(groups)
+    )
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block, layers, 0),),
+        groups=group_configs,
         worker_kv_bytes_per_block=kv_bytes_per_block,
         enable_kv_cache_events=events,
         extra_config=dict(extra),
-        engine_id=f"kvtier-test-{os.getpid()}-{next(_engines)}",
+        engine_id=engine_id or f"kvtier-test-{os.getpid()}-{next(_engines)}",
         model=OffloadingModelConfig(name=model, dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
+            rank=rank,
+            world_size=tp * pp,
+            tp_size=tp,
+            pp_size=pp,
             pcp_size=1,
             dcp_size=1,
             data_parallel_index=0,
             data_parallel_size=1,
             data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
+            is_parallelism_agnostic=groups == 1,
         ),
     )

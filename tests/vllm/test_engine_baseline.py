@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
+from kvtier.vllm.engines import RequestResult
 from tests.vllm.conftest import EngineRun
-from tests.vllm.engine import RequestResult
 from tests.vllm.engine_workloads import CACHEABLE_TOKENS, FILLER, FIRST, POOL_HIT, RETURN
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.vllm.engines import TINY, JobResult, Round
 from tests.remote.conftest import serve_redis
 from tests.vllm.conftest import EngineRun, EngineRuns, _locked, _run
-from tests.vllm.engine import TINY, JobResult, Round
 from tests.vllm.engine_workloads import (
     CACHEABLE_TOKENS,
     FILLER,

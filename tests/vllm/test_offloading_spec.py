@@ -92,7 +92,7 @@ class Engine:
         self.worker.wait({job_id})
         (result,) = [r for r in self.worker.get_finished() if r.job_id == job_id]
         meta = KvtierWorkerMetadata(report=self.worker.take_report())
-        if meta.report:
+        if meta.report.worth_sending():  # as KvtierConnector does
             self.manager.apply_worker_report(meta.report)
         return result.success, meta.report
 
@@ -266,6 +266,17 @@ def test_redis_shared_between_engines_and_killed(engines: list[Engine], tmp_path
 def test_bad_config_fails_at_start(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KvtierOffloadingSpec(spec_config(extra))
+
+
+def test_a_bad_key_fails_while_vllm_builds_its_config() -> None:
+    """vLLM asks the connector class while building its config, before any process
+    starts (with full CUDA graphs: vLLM's GPU default); kvtier checks its keys there."""
+    from kvtier.vllm.connector import KvtierConnector
+
+    extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm"}
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key 'cpu_byte"):
+        KvtierConnector.requires_piecewise_for_cudagraph(extra | {"cpu_bytes": 1})
+    assert not KvtierConnector.requires_piecewise_for_cudagraph(extra | {"cpu_bytes_to_use": 1})
 
 
 def test_an_idle_step_waits_for_the_oldest_load(engines: list[Engine]) -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.vllm.engines import TINY
 from tests.remote.conftest import RedisServer, serve_redis
 from tests.vllm.conftest import EngineRun, EngineRuns
-from tests.vllm.engine import TINY
 from tests.vllm.engine_workloads import CACHEABLE_TOKENS, FILLER, POOL_HIT, RETURN, overflow_job
 from tests.vllm.test_engine_baseline import assert_same_output
 

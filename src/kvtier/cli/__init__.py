@@ -24,6 +24,8 @@ from kvtier.cli.checks import (
     stop_on_sigterm,
     unwritable_output,
 )
+from kvtier.cli.route import add_route_parser, run_route
+from kvtier.router.scoring import POLICIES
 from kvtier.sim.generator import GeneratorConfig
 from kvtier.sim.traces import TraceFormatError
 from kvtier.sim.workload import FORMATS
@@ -47,12 +49,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format", action=Given, choices=FORMATS, default="mooncake", help="trace format"
     )
-    p.add_argument("--policy", default="lru,arc", help="policy or comma list (default lru,arc)")
+    p.add_argument(
+        "--policy",
+        action=Given,
+        default="lru,arc",
+        help="policy or comma list (default lru,arc)",
+    )
     p.add_argument(
         "--store-threshold",
-        type=_int_at_least(0),
+        action=Given,
+        type=int,
         default=0,
-        help="reuse filter: store a block once seen K>=2 times (0: off)",
+        help="reuse filter: store a block once seen K>=2 times (0 or 1: off, as in vLLM)",
     )
     p.add_argument("--limit", type=_int_at_least(1), help="replay the first N requests only")
     p.add_argument(
@@ -85,8 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(rp)
     rp.add_argument("--gpu-blocks", type=_int_at_least(0), default=0, help="0: no GPU tier")
     size = rp.add_mutually_exclusive_group()
-    size.add_argument("--cpu-blocks", type=_int_at_least(0), help="CPU tier size in blocks")
-    size.add_argument("--cpu-frac", type=float, help="CPU tier as a fraction of unique blocks")
+    size.add_argument(
+        "--cpu-blocks", action=Given, type=_int_at_least(0), help="CPU tier size in blocks"
+    )
+    size.add_argument(
+        "--cpu-frac", action=Given, type=float, help="CPU tier as a fraction of unique blocks"
+    )
     rp.add_argument(
         "--store-on",
         action=Given,
@@ -99,7 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="overlap requests by arrival time (in-flight loads/stores, waiting for room)",
     )
-    rp.add_argument("--disk-blocks", type=_int_at_least(0), default=0, help="disk tier size")
+    rp.add_argument(
+        "--disk-blocks", action=Given, type=_int_at_least(0), default=0, help="disk tier size"
+    )
+    rp.add_argument(
+        "--disk-writes",
+        action=Given,
+        default="demote",
+        help="write a block to disk when the CPU tier evicts it (demote, the default) or "
+        "at every CPU store (write_through), as the engine's disk_writes",
+    )
     rp.add_argument(
         "--disk-dir",
         metavar="PATH",
@@ -111,12 +132,41 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="move and verify real bytes (needs torch: pip install 'kvtier[torch]')",
     )
-    rp.add_argument("--redis", metavar="URL", help="add a shared Redis tier below")
+    rp.add_argument("--redis", action=Given, metavar="URL", help="add a shared Redis tier below")
+    rp.add_argument(
+        "--vllm-config",
+        metavar="JSON|@FILE",
+        help="replay the tiers of an engine's kv_connector_extra_config (needs --gpu-blocks "
+        "and --kv-bytes-per-block or --model-config)",
+    )
+    rp.add_argument(
+        "--kv-bytes-per-block",
+        type=_int_at_least(1),
+        help="with --vllm-config: one block's K and V bytes over all layers",
+    )
+    rp.add_argument(
+        "--model-config",
+        metavar="config.json",
+        help="with --vllm-config: the model's config.json, for its KV bytes per block",
+    )
     rp.add_argument(
         "--redis-namespace",
         action=Given,
         metavar="NAME",
         help="Redis key namespace (default: fresh per replay; share it to share blocks)",
+    )
+    rp.add_argument(
+        "--engines",
+        type=_int_at_least(1),
+        default=1,
+        help="replay N engines, each with these tiers, behind the router (see --router)",
+    )
+    rp.add_argument(
+        "--router",
+        action=Given,
+        choices=POLICIES,
+        default="kv",
+        help="with --engines N > 1: how requests are routed (default kv)",
     )
     cp = sub.add_parser("compare", help="sweep capacities x policies, plot against the bounds")
     _common(cp)
@@ -126,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="capacities as fractions of the unique blocks (comma list)",
     )
     cp.add_argument("--png", metavar="FILE.png", help="write the plot as PNG")
+    add_route_parser(sub)
     for p in (parser, rp, cp):
         allow_negative_lists(p)
     return parser
@@ -134,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "route":
+        return run_route(args)
     problem = inapplicable_flags(args) or unwritable_output(args)
     if problem:
         print(f"kvtier {args.command}: error: {problem}", file=sys.stderr)

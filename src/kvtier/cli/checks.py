@@ -19,14 +19,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvtier.sim.replay_config import REPLAY_DISK_PREFIX
+
 # argparse takes "-1,1,1" for an option (its negative-number pattern knows only plain
 # numbers), so `--mix -1,1,1` failed with "expected one argument". Dashed comma lists
 # of numbers are values here: no kvtier flag looks like one.
 NUMBER_LIST = re.compile(r"^-\d*\.?\d+([eE][-+]?\d+)?(,[-+]?\d*\.?\d+([eE][-+]?\d+)?)*$")
-
-# Where `kvtier replay --disk-blocks N --data` keeps its disk tier without --disk-dir
-# (see kvtier.sim.stack).
-REPLAY_DISK_PREFIX = "kvtier-replay-disk-"
 
 # Bytes of bookkeeping per block, measured (`/usr/bin/time -f %M kvtier replay
 # --limit 5 --gpu-blocks 3000000`: +346 MB, ~115 bytes per block), rounded up.
@@ -90,8 +88,20 @@ def inapplicable_flags(args: argparse.Namespace) -> str | None:
         return None
     if "--store-on" in given and not args.gpu_blocks:
         return "--store-on applies only with an accelerator tier (--gpu-blocks N > 0)"
+    if "--router" in given and args.engines == 1:
+        return "--router applies only with several engines (--engines N > 1)"
+    vllm_config = getattr(args, "vllm_config", None) is not None
+    if vllm_config and args.engines > 1:
+        return "--engines N replays kvtier's own flags; --vllm-config replays one engine"
+    for flag in ("--kv-bytes-per-block", "--model-config"):
+        if getattr(args, flag[2:].replace("-", "_"), None) is not None and not vllm_config:
+            return f"{flag} applies only with --vllm-config"
+    if vllm_config:
+        return None  # the config's tiers decide what applies (kvtier.cli.vllm_config)
     if "--redis-namespace" in given and args.redis is None:
         return "--redis-namespace applies only with a Redis tier (--redis URL)"
+    if "--disk-writes" in given and not args.disk_blocks:
+        return "--disk-writes applies only with a disk tier (--disk-blocks N > 0)"
     return None
 
 

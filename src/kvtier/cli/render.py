@@ -47,13 +47,23 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _stacks(report: ReplayReport) -> str:
+    """The tiers each replay built, once if all built the same."""
+    stacks = dict.fromkeys(r.stack for r in report.results if r.stack)
+    if not stacks:
+        return ""
+    gpu = f"gpu {report.config.gpu_blocks:,} blocks -> " if report.config.gpu_blocks else ""
+    return "tiers: " + "; ".join(gpu + s for s in stacks) + "\n"
+
+
 def replay_table(report: ReplayReport) -> Table:
     b = report.bounds
     table = Table(
         box=box.SIMPLE_HEAD,
         title=f"{report.trace}: {report.requests:,} requests, {report.block_refs:,} block refs, "
         f"{report.unique_blocks:,} unique blocks; capacity {b.capacity:,} blocks",
-        caption="hit rates: block (any position), prefix (usable), token (weighted); "
+        caption=_stacks(report)
+        + "hit rates: block (any position), prefix (usable), token (weighted); "
         "saved: prefill tokens; stores/evicted/filtered: offload tiers; "
         "bounds at the same total capacity; replay speed: "
         + ", ".join(f"{r.policy} {_count(r.refs_per_s)} refs/s" for r in report.results),

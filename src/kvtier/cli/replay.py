@@ -23,6 +23,7 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
         time_model=TimeModel() if args.concurrent else None,
         store_on=args.store_on,
         disk_blocks=args.disk_blocks,
+        disk_writes=args.disk_writes,
         disk_dir=args.disk_dir,
         data=args.data,
         redis_url=args.redis,
@@ -31,9 +32,20 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
 
 
 def run_replay(args: argparse.Namespace) -> dict[str, Any]:
-    policies = parse_policies(args.policy)
-    config = config_from_args(args)
-    workload = open_workload_from_args(args)
+    if args.vllm_config is None:  # bad flags are refused before the workload is read
+        config = config_from_args(args)
+        if args.engines > 1:
+            from kvtier.cli.engines import run_engines
+
+            return run_engines(args, config)
+        policies = parse_policies(args.policy)
+        workload = open_workload_from_args(args)
+    else:  # the budgets in bytes become blocks of the workload's size
+        from kvtier.cli.vllm_config import replay_config
+
+        workload = open_workload_from_args(args)
+        config = replay_config(args, workload.block_size)
+        policies = (config.policy,)
     console = Console(stderr=args.json)
     with progress_bars(console, enabled=not args.json) as bars:
         report = run_replays(workload, policies, config, bars)

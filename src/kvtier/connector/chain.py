@@ -3,9 +3,10 @@
 The connector talks to one manager; an engine with a CPU tier (or the CPU+disk
 cascade) and a shared Redis tier below it uses this chain:
 
-- `lookup` continues the prefix tier by tier (no holes): tier 0's hits, then the
-  next tier's hits on what is left, and so on;
-- `prepare_load` splits the hit run by tier (the split of the matching lookup), and
+- `lookup` finds the prefix that some tier holds block by block, each block served by
+  the fastest tier that holds it (as an engine asking key by key, kvtier's vLLM
+  adapter, chooses);
+- `prepare_load` splits the hit run into runs by tier (those of the matching lookup), and
   `complete_load` promotes blocks served by a lower tier into the tiers above it,
   so the next hit is local;
 - `prepare_store` writes through: every tier is offered the blocks (each skips what
@@ -51,34 +52,58 @@ class TierChain(OffloadingManager):
         self.promote = promote
         self.rejections: Counter[str] = Counter()  # tier -> stores it refused
         self.resident: list[set[BlockHash]] = [set() for _ in tiers]
-        self._last: tuple[list[BlockHash], list[int]] = ([], [])
+        self._last: tuple[list[BlockHash], list[tuple[int, int]]] = ([], [])
         self._loads: defaultdict[tuple[BlockHash, ...], deque[list[tuple[int, list[BlockHash]]]]]
         self._loads = defaultdict(deque)
         self._stores: dict[BlockHash, list[int]] = {}  # in flight -> tiers storing it
 
+    def forget(self) -> None:
+        """Drop what the chain knows of its tiers (they were reset): their contents and
+        the loads and stores in flight, whose completions are then ignored."""
+        for resident in self.resident:
+            resident.clear()
+        self._loads.clear()
+        self._stores.clear()
+        self._last = ([], [])
+
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
         hashes = list(block_hashes)
-        counts: list[int] = []
-        total = 0
-        for _, manager in self.tiers:
-            if total == len(hashes):
-                counts.append(0)
-                continue
-            hits = manager.lookup(hashes[total:]) or 0  # "ask again" from a lower tier: a miss
-            counts.append(hits)
-            total += hits
-        self._last = (hashes, counts)
-        return total
+        runs = self._runs(hashes)
+        self._last = (hashes, runs)
+        return sum(count for _, count in runs)
 
-    def _split(self, hashes: list[BlockHash]) -> list[int]:
-        last, counts = self._last
+    def _runs(self, hashes: list[BlockHash]) -> list[tuple[int, int]]:
+        """The prefix as runs of (tier, blocks), each block from the fastest tier holding
+        it, as an engine asks key by key: a block a lower tier serves may be followed by
+        one an upper tier holds. Each tier is asked for the run from where it is needed
+        (one round trip for a remote tier), the upper tiers block by block inside it."""
+        runs: list[tuple[int, int]] = []
+        start = 0
+        while start < len(hashes):
+            # "ask again" from a tier is a miss here
+            found = ((k, m.lookup(hashes[start:]) or 0) for k, (_, m) in enumerate(self.tiers))
+            k, count = next(((k, n) for k, n in found if n), (0, 0))
+            if not count:
+                break
+            for h in hashes[start : start + count]:
+                tier = next((u for u in range(k) if self.tiers[u][1].lookup([h])), k)
+                if runs and runs[-1][0] == tier:
+                    runs[-1] = (tier, runs[-1][1] + 1)
+                else:
+                    runs.append((tier, 1))
+            start += count
+        return runs
+
+    def _split(self, hashes: list[BlockHash]) -> list[tuple[int, int]]:
+        last, runs = self._last
         if last[: len(hashes)] != hashes:
             self.lookup(hashes)
-            last, counts = self._last
+            last, runs = self._last
         split, left = [], len(hashes)
-        for count in counts:
-            split.append(min(count, left))
-            left -= split[-1]
+        for k, count in runs:
+            if left:
+                split.append((k, min(count, left)))
+                left -= split[-1][1]
         if left:
             raise KeyError(f"prepare_load: {left} of {len(hashes)} blocks are in no tier")
         return split
@@ -87,13 +112,12 @@ class TierChain(OffloadingManager):
         hashes = list(block_hashes)
         spec, parts, start = ChainSpec(), [], 0
         try:
-            for k, count in enumerate(self._split(hashes)):
-                if count:
-                    part = hashes[start : start + count]
-                    name, manager = self.tiers[k]
-                    spec.parts.append((name, part, manager.prepare_load(part)))
-                    parts.append((k, part))
-                    start += count
+            for k, count in self._split(hashes):
+                part = hashes[start : start + count]
+                name, manager = self.tiers[k]
+                spec.parts.append((name, part, manager.prepare_load(part)))
+                parts.append((k, part))
+                start += count
         except BaseException:  # a tier refused its part: unpin the parts taken above it
             for k, part in parts:
                 self.tiers[k][1].complete_load(part)
@@ -170,10 +194,16 @@ class TierChain(OffloadingManager):
         gone = [h for h in dict.fromkeys(evicted) if not self._anywhere(h)]
         return PrepareStoreOutput(list(stored), ChainSpec(parts), gone)
 
-    def complete_part(self, name: str, block_hashes: Iterable[BlockHash], success: bool) -> None:
-        """Settle one tier's part of the stores (its own transfer job succeeded or not)."""
+    def complete_part(
+        self, name: str, block_hashes: Iterable[BlockHash], success: bool
+    ) -> list[BlockHash]:
+        """Settle one tier's part of the stores (its own transfer job succeeded or not);
+        the hashes that tier was storing, now settled."""
         k = [n for n, _ in self.tiers].index(name)
-        hashes = [h for h in block_hashes if k in self._stores.get(h, ())]
+        # a hash listed twice is one store (settled once)
+        hashes = [h for h in dict.fromkeys(block_hashes) if k in self._stores.get(h, ())]
+        if not hashes:  # this tier stores none of them
+            return hashes
         for h in hashes:
             self._stores[h].remove(k)
             if not self._stores[h]:
@@ -181,6 +211,7 @@ class TierChain(OffloadingManager):
         self.tiers[k][1].complete_store(hashes, success)
         if success:
             self.resident[k].update(hashes)
+        return hashes
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Settle every tier's part of the stores of these hashes."""

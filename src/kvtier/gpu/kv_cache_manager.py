@@ -30,9 +30,10 @@ from kvtier.gpu.sliding_window import (
     num_window_blocks,
     skipped_block_indices,
 )
-from kvtier.hashing import HashAlgorithm, digest_function, positive_int
+from kvtier.hashing import HashAlgorithm, digest_function
 from kvtier.request import Request
 from kvtier.types import BlockHash
+from kvtier.validate import positive_int
 
 _block_id = attrgetter("block_id")
 

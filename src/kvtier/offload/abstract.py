@@ -106,6 +106,16 @@ class OffloadingManager(ABC):
         return ()
 
 
+def reset_tier(manager: OffloadingManager) -> list[BlockHash]:
+    """`manager.reset_cache()` (the keys it forgot), or a TypeError naming a manager
+    that cannot reset (a reset must never leave a tier silently serving old blocks)."""
+    reset = getattr(manager, "reset_cache", None)
+    if reset is None:
+        raise TypeError(f"{type(manager).__name__} has no reset_cache(); it cannot be reset")
+    removed: list[BlockHash] = reset()
+    return removed
+
+
 class RecordedEvents:
     """`take_events` for a manager that records into `self.events` (None: events off).
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
-from kvtier.hashing import positive_int
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.types import BlockHash
+from kvtier.validate import positive_int
 
 
 class BlockStatus:

@@ -49,6 +49,7 @@ from kvtier.offload.abstract import (
     PrepareStoreOutput,
     RecordedEvents,
     block_hash_list,
+    reset_tier,
     unique_hashes,
 )
 from kvtier.offload.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec
@@ -380,6 +381,26 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
             events = tier.take_events()
             if self.events is not None:
                 self.events.extend(events)
+
+    def reset_cache(self) -> list[BlockHash]:
+        """Forget every block of both tiers (see `PolicyOffloadingManager.reset_cache`):
+        CPU slots freed, disk blocks forgotten (their files go with the disk backend's
+        `on_free`), demotions and promotions in flight dropped with their jobs. Returns
+        the keys forgotten; each tier's removal event is among the cascade's events."""
+        removed = reset_tier(self.cpu) + reset_tier(self.disk)
+        self._cpu_slots.clear()
+        self._groups.clear()
+        self._disk_stores.clear()
+        self._demoting.clear()
+        self._pins.clear()
+        self._promoting.clear()
+        self._drain()
+        return removed
+
+    def held_keys(self) -> list[BlockHash]:
+        """Every key either tier holds (in flight included), each once."""
+        disk = self._disk_core.policy.stored_keys()
+        return list(dict.fromkeys([*self._cpu_slots, *disk]))
 
     def discard_disk_blocks(self, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
         """Forget disk blocks the data plane lost or found corrupt (a disk tier with `discard`)."""

@@ -110,6 +110,25 @@ class DiskOffloadingManager(PolicyOffloadingManager):
         self.block_size = block_size
         self.medium = self.backend.medium
 
+    @classmethod
+    def reopened(
+        cls,
+        block_size: int,
+        num_blocks: int,
+        recovered: Sequence[BlockHash],
+        on_free: OnFree,
+        cache_policy: str = "lru",
+        enable_events: bool = False,
+    ) -> DiskOffloadingManager:
+        """The manager of a directory that already holds `recovered` (oldest first):
+        they are adopted, and those that do not fit are handed to `on_free` to delete,
+        so the directory never holds more than the budget."""
+        manager = cls(block_size, num_blocks, cache_policy, enable_events, on_free)
+        left_over = manager.adopt(recovered) if recovered else []
+        if left_over:
+            on_free(left_over)
+        return manager
+
     def adopt(self, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Register blocks already durable on disk (recovery), oldest first.
 

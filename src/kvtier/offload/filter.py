@@ -15,17 +15,18 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import replace
 
-from kvtier.hashing import positive_int
 from kvtier.offload.abstract import (
     LoadStoreSpec,
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
     block_hash_list,
+    reset_tier,
     unique_hashes,
 )
 from kvtier.offload.offloading_stats import OffloadingStats
 from kvtier.types import BlockHash
+from kvtier.validate import positive_int
 
 
 class FilterReusedOffloadingManager(OffloadingManager):
@@ -96,6 +97,11 @@ class FilterReusedOffloadingManager(OffloadingManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         return self._backing.take_events()
+
+    def reset_cache(self) -> list[BlockHash]:
+        """Reset the backing manager; the sighting counts stay (they are about keys, and
+        a block seen often before a weight update is as likely to be seen again)."""
+        return reset_tier(self._backing)
 
     @property
     def counters(self) -> OffloadingStats:

@@ -17,9 +17,8 @@ per manager call; per-block loops run as C-level `map`/`filter` where they can.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Iterable
 from itertools import compress
-from types import MethodType
 from typing import Any, Literal
 
 from kvtier.offload._fast import ref_cnt
@@ -39,8 +38,6 @@ from kvtier.offload.policies.base import CachePolicy
 from kvtier.offload.policies.registry import create_policy
 from kvtier.types import BlockHash
 
-EvictSplit = Callable[[int, Set[BlockHash]], tuple[list[BlockHash], list[BlockStatus]] | None]
-
 
 def _not_loadable(call: str, block_hash: BlockHash, block: BlockStatus | None) -> Exception:
     """The error for a block `call` cannot take, described as it was when seen."""
@@ -51,16 +48,6 @@ def _not_loadable(call: str, block_hash: BlockHash, block: BlockStatus | None) -
     return ValueError(
         f"{call}: block {block_hash!r} is not being loaded (ref_cnt {block.ref_cnt}, expected > 0)"
     )
-
-
-def _evict_split_of(policy: CachePolicy) -> EvictSplit:
-    """The policy's `evict_split`, unless a subclass overrode only `evict` below it."""
-    mro = type(policy).__mro__
-    evict_owner = next(c for c in mro if "evict" in vars(c))
-    split_owner = next(c for c in mro if "evict_split" in vars(c))
-    if mro.index(evict_owner) < mro.index(split_owner):
-        return MethodType(CachePolicy.evict_split, policy)
-    return policy.evict_split
 
 
 class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
@@ -85,7 +72,7 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
         self._get = policy.get
         self._absent = policy.absent
         self._touch = policy.touch
-        self._evict_split = _evict_split_of(policy)
+        self._evict_split = policy.evict_split
         self._insert_many = policy.insert_many
         self._mark_evictable = policy.mark_evictable
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
@@ -266,6 +253,29 @@ class PolicyOffloadingManager(RecordedEvents, OffloadingManager):
                 OffloadingEvent(removed, backend.block_size, backend.medium, removed=True)
             )
         return removed
+
+    def reset_cache(self) -> list[BlockHash]:
+        """Forget every block, pinned and in flight included, and free every slot.
+
+        For a prefix-cache reset (new weights): no block stored before it may be served
+        again. Whoever pinned a block or has a store in flight must not complete it
+        afterwards (vLLM drops the jobs of before a reset); the caller also waits for the
+        data plane to finish with the freed slots before reusing them (vLLM flushes its
+        jobs before the next). The policy keeps what it learned about access patterns
+        (ghosts, reuse history): those are about keys, not about the bytes. Returns the
+        keys forgotten, also listed in one removal event.
+        """
+        keys = self.policy.stored_keys()
+        blocks = [b for b in self._get_many(keys) if b is not None]
+        remove = self.policy.remove
+        for key in keys:
+            remove(key)
+        self.backend.free_blocks(blocks)
+        self._num_present = 0
+        if keys and self.events is not None:
+            backend = self.backend
+            self.events.append(OffloadingEvent(keys, backend.block_size, backend.medium, True))
+        return keys
 
     @property
     def _policy(self) -> CachePolicy:

@@ -12,7 +12,8 @@ the executor's queue is bounded by the same number).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -31,6 +32,7 @@ class AsyncLookups:
         self.max_pending = max_pending
         self._pending: OrderedDict[tuple[BlockHash, ...], Future[int]] = OrderedDict()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
+        self._seconds: deque[float] = deque(maxlen=max_pending)  # appended off-thread
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int | None:
         key = tuple(block_hashes)
@@ -39,9 +41,7 @@ class AsyncLookups:
             if len(self._pending) >= self.max_pending:
                 _, forgotten = self._pending.popitem(last=False)
                 forgotten.cancel()  # no answer will be asked for: don't queue its round trip
-            self._pending[key] = self._executor.submit(
-                self.store.count_prefix, list(block_hashes), self.salt
-            )
+            self._pending[key] = self._executor.submit(self._timed, list(block_hashes), self.salt)
             return None
         if not future.done():
             return None
@@ -51,6 +51,26 @@ class AsyncLookups:
         except Exception:  # count_prefix never raises; a bug must not reach the scheduler
             log.exception("remote tier: background lookup failed; answering a miss")
             return 0
+
+    def _timed(self, block_hashes: list[BlockHash], salt: str | None) -> int:
+        started = time.perf_counter()
+        found = self.store.count_prefix(block_hashes, salt)
+        self._seconds.append(time.perf_counter() - started)
+        return found
+
+    def take_seconds(self) -> list[float]:
+        """Each round trip's seconds since the last call (at most the last `max_pending`)."""
+        taken = []
+        while self._seconds:
+            taken.append(self._seconds.popleft())
+        return taken
+
+    def reset(self, salt: str | None) -> None:
+        """Ask under `salt` from now on; questions asked before are forgotten unanswered."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        self.salt = salt
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every submitted lookup has an answer (for tests and shutdown)."""

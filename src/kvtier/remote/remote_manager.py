@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
-from kvtier.hashing import positive_int
 from kvtier.offload.abstract import (
     LoadStoreSpec,
     OffloadingEvent,
@@ -40,8 +39,19 @@ from kvtier.offload.abstract import (
 from kvtier.remote.async_lookup import AsyncLookups
 from kvtier.remote.redis_store import RedisBlockStore
 from kvtier.types import BlockHash
+from kvtier.validate import positive_int
 
 MEDIUM = "REMOTE"
+
+
+def epoch_salt(epoch: int, salt: str | None = None) -> str | None:
+    """The key-namespace salt of a reset `epoch` (0: `salt` itself, so the keys of an
+    engine that never reset are those of before epochs existed)."""
+    if epoch < 0:
+        raise ValueError(f"epoch must be >= 0, got {epoch}")
+    if epoch == 0:
+        return salt
+    return f"{salt or ''}#epoch{epoch}"
 
 
 class RemoteLoadStoreSpec(LoadStoreSpec):
@@ -93,10 +103,27 @@ class RemoteOffloadingManager(OffloadingManager):
         """Block until asynchronous lookups have answers; True at once when synchronous."""
         return self._async.wait(timeout) if self._async is not None else True
 
+    def take_lookup_seconds(self) -> list[float]:
+        """Seconds of each asynchronous lookup's round trip since the last call."""
+        return self._async.take_seconds() if self._async is not None else []
+
     def close(self) -> None:
         """Stop the background lookup thread, if any (the store is the tier's to close)."""
         if self._async is not None:
             self._async.close()
+
+    def reset_cache(self, salt: str | None = None) -> list[BlockHash]:
+        """Read and write under `salt` from now on (an epoch of the key namespace, see
+        `epoch_salt`): blocks of before are never read again by this manager, and Redis
+        evicts them as they age. Loads and stores in flight are forgotten (their jobs
+        are dropped with the reset). Nothing is listed as removed: Redis holds the truth,
+        shared with other engines, and this manager keeps no table of it."""
+        self.salt = salt
+        if self._async is not None:
+            self._async.reset(salt)
+        self._loading.clear()
+        self._storing.clear()
+        return []
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         hashes = block_hash_list("prepare_load", block_hashes)

@@ -19,13 +19,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvtier.hashing import positive_int
 from kvtier.remote.kv_store import RedisKVStore
 from kvtier.remote.redis_store import RedisBlockStore
 from kvtier.remote.remote_config import RemoteConfig
 from kvtier.remote.remote_manager import RemoteOffloadingManager
 from kvtier.remote.remote_stats import RemoteStats
 from kvtier.store.layout import KVLayout
+from kvtier.validate import positive_int
 
 
 class HasFingerprint(Protocol):

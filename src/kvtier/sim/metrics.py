@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtier.offload.tier_metrics import METRICS
+
 
 def served_tokens(hit_blocks: int, block_size: int, input_length: int) -> tuple[int, int]:
     """(hit tokens, prefill tokens saved) of a request whose first `hit_blocks` were served.
@@ -95,6 +97,7 @@ class ReplayResult:
     tiers: tuple[TierStats, ...]
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+    stack: str = ""  # the tiers below the accelerator, as built (`StackConfig.describe`)
 
     @property
     def offload_tiers(self) -> tuple[TierStats, ...]:
@@ -128,8 +131,36 @@ class ReplayResult:
             "prefix_hit_blocks": self.prefix_hit_blocks,
             "prefill_tokens_saved": self.prefill_tokens_saved,
             "seconds": self.seconds,
+            "stack": self.stack,
             "tiers": {
                 t.name: {k: v for k, v in asdict(t).items() if k != "name"} for t in self.tiers
             },
+            "metrics": replay_metrics(self.offload_tiers),
             **self.extra,
         }
+
+
+# the replay's tier names and counters behind kvtier's engine metrics (kvtier.offload.tier_metrics)
+_TIER_LABELS = {"cpu": "cpu", "disk": "disk", "remote": "redis"}
+_REPLAY_FIELDS = {
+    "load_blocks": "hit_blocks",
+    "load_bytes": "bytes_loaded",
+    "store_blocks": "stores",
+    "store_bytes": "bytes_stored",
+    "corrupt_blocks": "checksum_failures",
+    "evicted_blocks": "evictions",
+    "capacity_blocks": "capacity",
+}
+
+
+def replay_metrics(tiers: tuple[TierStats, ...]) -> dict[str, dict[str, int]]:
+    """The replay's figures under the names vLLM's `/metrics` shows for an engine with
+    kvtier (`{exposed name: {tier label: value}}`), for a line-by-line comparison."""
+    out: dict[str, dict[str, int]] = {}
+    for key, field_name in _REPLAY_FIELDS.items():
+        name = METRICS[key].exposed
+        for tier in tiers:
+            label = _TIER_LABELS.get(tier.name)
+            if label is not None:
+                out.setdefault(name, {})[label] = getattr(tier, field_name)
+    return out

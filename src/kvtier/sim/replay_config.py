@@ -6,16 +6,22 @@ nothing of the replay itself), so the package has no import circle.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.connector.scheduler import StoreOn
+from kvtier.connector.tier_config import DiskWrites, check_disk_writes, check_store_threshold
+from kvtier.connector.tier_stack import StackConfig
 from kvtier.sim.workload import Workload
 
 Progress = Callable[[int], None]
 # Requests between two progress callbacks: often enough for a smooth bar, rare
 # enough to cost nothing in the loop.
 PROGRESS_EVERY = 512
+# Where a replay with real bytes keeps its disk tier without `disk_dir` (a temporary
+# directory; `kvtier replay` reclaims ones a killed run left).
+REPLAY_DISK_PREFIX = "kvtier-replay-disk-"
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ class ReplayConfig:
     cpu_blocks: int | None = None
     cpu_frac: float | None = None
     gpu_blocks: int = 0
-    # Reuse filter: store a block only once seen this many times (0: no filter).
+    # Reuse filter: store a block only once seen this many times (0 or 1: no filter).
     store_threshold: int = 0
     # Overlap requests by arrival time (in-flight loads, waiting for room); None:
     # every completion lands at once.
@@ -72,6 +78,8 @@ class ReplayConfig:
     store_on: StoreOn = "compute"
     # A local disk tier below the CPU tier (the cascade: demotion on CPU eviction).
     disk_blocks: int = 0
+    # Write to disk when the CPU tier evicts a block ("demote") or at every CPU store.
+    disk_writes: DiskWrites = "demote"
     # Keep the disk tier's files here across runs (needs data=True); None: a
     # temporary directory, removed after the replay.
     disk_dir: str | None = None
@@ -79,6 +87,8 @@ class ReplayConfig:
     redis_url: str | None = None
     # Key namespace in Redis; None: a fresh one per replay (runs never share blocks).
     redis_namespace: str | None = None
+    # RemoteConfig options for the Redis tier (timeouts, ttl_s, key_prefix: an engine's).
+    redis_options: Mapping[str, Any] = field(default_factory=dict)
     # Move real bytes through every tier and verify every load.
     data: bool = False
     # Placeholder bytes written per block without a data plane (Redis memory and
@@ -104,10 +114,8 @@ class ReplayConfig:
             )
         if self.gpu_blocks < 0:
             raise ValueError(f"gpu_blocks must be >= 0, got {self.gpu_blocks}")
-        if self.store_threshold != 0 and self.store_threshold < 2:
-            raise ValueError(
-                f"store_threshold must be 0 (no filter) or >= 2, got {self.store_threshold}"
-            )
+        check_store_threshold("store_threshold", self.store_threshold)
+        check_disk_writes("disk_writes", self.disk_writes)
 
     def cpu_capacity(self, workload: Workload) -> int:
         """Blocks in the CPU tier; the default is 5% of the unique blocks."""
@@ -115,6 +123,19 @@ class ReplayConfig:
             return self.cpu_blocks
         frac = 0.05 if self.cpu_frac is None else self.cpu_frac
         return max(1, int(workload.unique_blocks * frac))
+
+    def stack_config(self, workload: Workload) -> StackConfig:
+        """The tiers to build, as kvtier's one builder takes them."""
+        return StackConfig(
+            block_size=workload.block_size,
+            cpu_blocks=self.cpu_capacity(workload),
+            policy=self.policy,
+            store_threshold=self.store_threshold,
+            disk_blocks=self.disk_blocks,
+            disk_writes=self.disk_writes,
+            redis_url=self.redis_url,
+            redis_options=self.redis_options,
+        )
 
     def total_capacity(self, workload: Workload) -> int:
         """Blocks all tiers hold together; a remote tier is taken as unbounded (every

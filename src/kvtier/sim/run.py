@@ -98,6 +98,7 @@ def replay(
         tiers=ledger.freeze(),
         seconds=seconds,
         extra=extra,
+        stack=stack.description,
     )
 
 
@@ -116,7 +117,7 @@ def _drive(
         fast
         and stack.manager is stack.local
         and stack.cascade is None
-        and not config.store_threshold
+        and config.store_threshold < 2  # no filter in front
     ):
         fast_offload_loop(stack.manager, ledger, progress)
         _end(progress, workload)

@@ -36,17 +36,6 @@ def open_workload(
     return load_workload(trace, fmt, limit=limit)
 
 
-def parse_mix(text: str) -> tuple[float, float, float]:
-    """`"0.6,0.3,0.1"` -> shares of chats, agents and documents."""
-    try:
-        values = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"mix must be 3 comma-separated numbers, got {text!r}") from None
-    if len(values) != 3:
-        raise ValueError(f"mix must be 3 comma-separated numbers, got {text!r}")
-    return values[0], values[1], values[2]
-
-
 def parse_policies(text: str) -> tuple[str, ...]:
     """`"lru,arc"` -> ("lru", "arc"); names are checked by the offload registry."""
     names = tuple(p.strip() for p in text.split(",") if p.strip())

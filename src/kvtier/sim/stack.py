@@ -1,6 +1,9 @@
-"""The offload tiers a replay runs, built from its config: one object, typed seams.
+"""The offload tiers a replay runs, built by kvtier's one builder from its config.
 
-The stack is what the replay (or the connector in front of it) talks to:
+The tiers come from `kvtier.connector.tier_stack.build_tiers`, the same builder the
+vLLM plug-in uses; this module adds what only a replay needs (the join, the
+figures' names, a temporary or reopened disk directory). The stack is what the
+replay (or the connector in front of it) talks to:
 
 - the CPU tier alone: a bare manager (behind the reuse filter when asked);
 - with a disk tier: the CPU->disk cascade (the filter then admits to disk);
@@ -26,16 +29,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.connector.chain import TierChain
-from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
+from kvtier.connector.tier_stack import LOCAL, REMOTE, DiskBacking, build_tiers
 from kvtier.offload.abstract import OffloadingEvent, OffloadingManager
 from kvtier.offload.cascade_manager import CascadeOffloadingManager
-from kvtier.offload.disk_manager import DiskOffloadingManager
 from kvtier.sim.metrics import TierCounters
-from kvtier.sim.replay_config import ReplayConfig
+from kvtier.sim.replay_config import REPLAY_DISK_PREFIX, ReplayConfig
 from kvtier.sim.workload import Workload
 
-# The chain's members (the local tiers, then Redis): the bytes plane routes jobs by them.
-LOCAL, REMOTE = "local", "remote"
+__all__ = ["LOCAL", "REMOTE", "DiskRecovery", "TierStack", "build_stack"]
 
 if TYPE_CHECKING:
     from kvtier.remote.tier import RemoteTier
@@ -64,6 +65,7 @@ class TierStack:
     remote_manager: OffloadingManager | None = None
     disk_store: DiskStore | None = None
     recovery: DiskRecovery | None = None
+    description: str = ""  # the stack built, in one line (`StackConfig.describe`)
     _closing: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
@@ -117,48 +119,46 @@ def build_stack(
 def _build(
     workload: Workload, config: ReplayConfig, layout: KVLayout | None, closing: contextlib.ExitStack
 ) -> TierStack:
-    bs, policy = workload.block_size, config.policy
-    capacity = config.cpu_capacity(workload)
-    cpu: OffloadingManager = CPUOffloadingManager(
-        bs, capacity, cache_policy=policy, enable_events=True
-    )
-    capacities = {"cpu": capacity}
-    stack = TierStack(cpu, cpu, capacities, policy, _closing=closing)
-    if config.disk_blocks:
-        disk: OffloadingManager
-        if layout is not None:
-            stack.disk_store = _disk_store(layout, config, closing)
-            disk = stack.disk_store.manager(bs, cache_policy=policy, enable_events=True)
-            stats = stack.disk_store.stats()
-            if config.disk_dir is not None:
-                stack.recovery = DiskRecovery(
-                    str(stack.disk_store.directory), stats.recovered, stats.dropped_at_recovery
-                )
-        else:
-            disk = DiskOffloadingManager(bs, config.disk_blocks, policy, enable_events=True)
-        if config.store_threshold:  # the reuse filter as disk admission, as the cascade allows
-            disk = FilterReusedOffloadingManager(disk, store_threshold=config.store_threshold)
-        capacities["disk"] = config.disk_blocks
-        stack.cascade = CascadeOffloadingManager(cpu, disk, enable_events=True)
-        stack.manager = stack.local = stack.cascade
-    elif config.store_threshold:
-        stack.manager = stack.local = FilterReusedOffloadingManager(
-            cpu, store_threshold=config.store_threshold
-        )
+    stack_config = config.stack_config(workload)
+    disk_store, backing = None, None
+    if config.disk_blocks and layout is not None:
+        disk_store = _disk_store(layout, config, closing)
+        backing = DiskBacking(disk_store.recovered, disk_store.discard)
+    remote_key: KVLayout | str | None = None
     if config.redis_url is not None:
-        from kvtier.remote.tier import RemoteTier
-
         namespace = config.redis_namespace or f"replay-{uuid.uuid4().hex}"
-        key = layout if layout is not None else f"{namespace}/{workload.name}"
-        stack.remote = RemoteTier.from_url(config.redis_url, key, block_size=bs)
-        closing.callback(stack.remote.close)
-        payload = None if layout is not None else config.remote_payload_bytes
-        stack.remote_manager = stack.remote.manager(
-            synthetic_payload_bytes=payload, enable_events=True
+        remote_key = layout if layout is not None else f"{namespace}/{workload.name}"
+    tiers = build_tiers(
+        stack_config,
+        disk=backing,
+        remote_key=remote_key,
+        remote_payload_bytes=None if layout is not None else config.remote_payload_bytes,
+    )
+    closing.callback(tiers.close)
+    capacities = {"cpu": stack_config.cpu_blocks}
+    if tiers.disk is not None:
+        capacities["disk"] = stack_config.disk_blocks
+    stack = TierStack(
+        tiers.local,
+        tiers.local,
+        capacities,
+        config.policy,
+        cascade=tiers.cascade,
+        remote=tiers.remote,
+        remote_manager=tiers.remote_manager,
+        disk_store=disk_store,
+        description=stack_config.describe(),
+        _closing=closing,
+    )
+    if disk_store is not None and config.disk_dir is not None:
+        stats = disk_store.stats()
+        stack.recovery = DiskRecovery(
+            str(disk_store.directory), stats.recovered, stats.dropped_at_recovery
         )
+    if tiers.remote_manager is not None:
         capacities["remote"] = 0
         # The step promotes (`kvtier.sim.step`), so that bytes follow with a bytes plane.
-        members = [(LOCAL, stack.local), (REMOTE, stack.remote_manager)]
+        members = [(LOCAL, stack.local), (REMOTE, tiers.remote_manager)]
         stack.chain = TierChain(members, promote=False)
         stack.manager = stack.chain
     return stack
@@ -170,7 +170,7 @@ def _disk_store(layout: KVLayout, config: ReplayConfig, closing: contextlib.Exit
     if config.disk_dir is not None:
         root = config.disk_dir
     else:
-        root = closing.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-replay-disk-"))
+        root = closing.enter_context(tempfile.TemporaryDirectory(prefix=REPLAY_DISK_PREFIX))
     capacity = DiskStore.capacity_for(layout, config.disk_blocks)
     # No fsync: a replay checks that the right bytes come back, not crash durability
     # (the disk tier's own tests do), and an fsync per block would dominate the run.

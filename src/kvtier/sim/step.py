@@ -42,6 +42,9 @@ from kvtier.sim.stack import LOCAL, TierStack
 from kvtier.sim.workload import Workload
 from kvtier.types import BlockHash
 
+# Blocks promoted into the local tier with their local store spec.
+Promotion = tuple[list[BlockHash], LoadStoreSpec]
+
 
 @dataclass(slots=True)
 class Pending:
@@ -56,6 +59,7 @@ class Pending:
     loaded_blocks: int = 0
     request: Request | None = None
     admission: Admission | None = None
+    promotions: list[Promotion] | None = None  # planned at the load (OffloadStep)
 
 
 class Step(Protocol):
@@ -123,25 +127,42 @@ class _Settling:
 
     def promote(self, spec: LoadStoreSpec, loaded: list[BlockHash], ids: Sequence[int]) -> None:
         """Copy blocks a lower tier served up into the local tier, bytes included (the
-        chain's own promotion would move none): they are regenerated from their hashes,
-        which the load just verified, so the source is right even if the engine cache
-        was reused since."""
+        chain's own promotion would move none)."""
+        self.settle_promotions(self.plan_promotions(spec, loaded), loaded, ids, ok=True)
+
+    def plan_promotions(self, spec: LoadStoreSpec, loaded: list[BlockHash]) -> list[Promotion]:
+        """Local slots for the blocks a lower tier serves, taken as the load is prepared
+        (as kvtier's vLLM adapter takes them: the promoted blocks are then part of the
+        request's use); settle them with the load."""
+        chain = self.stack.chain
+        if chain is None:
+            return []
+        lower = [h for name, part, _ in parts_of(spec, loaded) if name != LOCAL for h in part]
+        if not lower:
+            return []
+        out = chain.plan_promotion(0, lower)  # one store, as the request's one load
+        self.drain()
+        if out is None or not out.block_hashes_to_store:
+            return []
+        return [(out.block_hashes_to_store, out.store_spec)]
+
+    def settle_promotions(
+        self, planned: list[Promotion], loaded: list[BlockHash], ids: Sequence[int], ok: bool
+    ) -> None:
+        """Write the promoted blocks if the load brought them (regenerated from their
+        hashes, which the load just verified, so the source is right even if the engine
+        cache was reused since), and settle their stores."""
         chain = self.stack.chain
         if chain is None:
             return
         position = dict(zip(loaded, ids, strict=True))
-        for name, part, _ in parts_of(spec, loaded):
-            if name == LOCAL:
-                continue
-            out = chain.plan_promotion(0, part)
-            self.drain()
-            if out is None or not out.block_hashes_to_store:
-                continue
-            stored = out.block_hashes_to_store
-            stored_ids = [position[h] for h in stored]
-            self.plane.compute(stored_ids, stored)
-            (_, ok), *_ = self.plane.store(out.store_spec, stored_ids, stored)
-            chain.settle_promotion(0, stored, ok)
+        for stored, spec in planned:
+            written = False
+            if ok:
+                stored_ids = [position[h] for h in stored]
+                self.plane.compute(stored_ids, stored)
+                (_, written), *_ = self.plane.store(spec, stored_ids, stored)
+            chain.settle_promotion(0, stored, written)
             self.drain()
 
     def distrust(self, spec: LoadStoreSpec, loaded: list[BlockHash]) -> None:
@@ -196,6 +217,7 @@ class OffloadStep(_Settling):
             loaded = hs[:hit]
             spec = manager.prepare_load(loaded)
             p.load = (loaded, spec)
+            p.promotions = self.plan_promotions(spec, loaded)
             p.load_ok = self.plane.load(spec, range(hit), loaded)
             if p.load_ok:  # a failed or corrupt load is a miss: recompute
                 p.served = hit
@@ -212,11 +234,10 @@ class OffloadStep(_Settling):
 
     def loaded(self, p: Pending) -> None:
         if p.load is not None:
-            loaded, spec = p.load
+            loaded, _ = p.load
             settle_load(self.stack.manager, loaded, p.load_ok)
             self.drain()
-            if p.load_ok:
-                self.promote(spec, loaded, range(len(loaded)))
+            self.settle_promotions(p.promotions or [], loaded, range(len(loaded)), p.load_ok)
             self.forget_lost()
 
     def computed(self, p: Pending) -> None:

@@ -187,8 +187,8 @@ def read_tokens(
         HashAlgorithm,
         digest_function,
         hash_request_blocks,
-        positive_int,
     )
+    from kvtier.validate import positive_int
 
     # Checked before the first line, so that a bad call fails on an empty trace too.
     digest_function(cast("HashAlgorithm", algorithm))

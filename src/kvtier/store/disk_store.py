@@ -56,15 +56,16 @@ from kvtier.store.diskdir import (
     scan,
 )
 from kvtier.store.diskformat import (
-    DIR_PREFIX,
     NBYTES,
     SUFFIX,
     TMP_SUFFIX,
     BlockHeader,
     FormatError,
     HeaderCheck,
+    block_file_bytes,
     chunk_group,
     chunked,
+    directory_name,
     durable_write,
     file_name,
     read_hashed,
@@ -115,8 +116,8 @@ class DiskStore:
         if on_mismatch not in ("error", "ignore"):
             raise ValueError(f"on_mismatch must be 'error' or 'ignore', got {on_mismatch!r}")
         self._layout = layout
-        # Capacity is counted with 32-byte hashes (sha256), the longest in use.
-        self.block_file_bytes = self.file_bytes(BlockHash(bytes(32)))
+        # Capacity is counted with the longest hashes in use (see MAX_KEY_BYTES).
+        self.block_file_bytes = block_file_bytes(layout.bytes_per_block)
         if capacity_bytes < self.block_file_bytes:
             raise ValueError(
                 f"capacity_bytes {capacity_bytes} is below one block file "
@@ -130,7 +131,7 @@ class DiskStore:
             raise ValueError(f"parallel_min_bytes must be >= 0, got {parallel_min_bytes}")
         self._parallel_min_bytes = parallel_min_bytes
         self.root = Path(root)
-        self.directory = self.root / f"{DIR_PREFIX}{layout.fingerprint}"
+        self.directory = self.root / directory_name(layout.fingerprint)
         self._prefix = f"{self.directory}{os.sep}"
         self._size = layout.bytes_per_block
         self._header_check = HeaderCheck(layout.fingerprint_bytes, self._size)
@@ -164,12 +165,17 @@ class DiskStore:
 
     def file_bytes(self, block_hash: BlockHash) -> int:
         """Size of the file holding one block (header + payload)."""
-        return BlockHeader.size_for(len(block_hash)) + self._layout.bytes_per_block
+        return block_file_bytes(self._layout.bytes_per_block, len(block_hash))
 
     @staticmethod
     def capacity_for(layout: KVLayout, num_blocks: int) -> int:
         """The `capacity_bytes` that holds exactly `num_blocks` blocks of `layout`."""
-        return num_blocks * (BlockHeader.size_for(32) + layout.bytes_per_block)
+        return num_blocks * block_file_bytes(layout.bytes_per_block)
+
+    @staticmethod
+    def blocks_for(layout: KVLayout, capacity_bytes: int) -> int:
+        """How many blocks of `layout` a budget of `capacity_bytes` holds."""
+        return capacity_bytes // block_file_bytes(layout.bytes_per_block)
 
     # --- recovery -----------------------------------------------------------
 
@@ -387,11 +393,14 @@ class DiskStore:
     ) -> DiskOffloadingManager:
         """The scheduler-side manager of this directory: evictions delete files, and the
         blocks recovered at open are registered (oldest first, so LRU evicts them first)."""
-        manager = DiskOffloadingManager(
-            block_size, self.capacity_blocks, cache_policy, enable_events, on_free=self.discard
+        return DiskOffloadingManager.reopened(
+            block_size,
+            self.capacity_blocks,
+            self.recovered,
+            self.discard,
+            cache_policy,
+            enable_events,
         )
-        self.discard(manager.adopt(self.recovered))  # what does not fit is deleted
-        return manager
 
     # --- BlockStore protocol and inspection --------------------------------
 

@@ -33,6 +33,8 @@ from kvtier.store.diskformat import (
     BlockHeader,
     FormatError,
     HeaderCheck,
+    block_file_bytes,
+    directory_name,
     durable_write,
     hash_of,
     sync_directory,
@@ -189,6 +191,27 @@ def scan(
                 found.append((entry.stat().st_mtime_ns, block_hash, size))
     found.sort()
     return [(block_hash, size) for _, block_hash, size in found], deleted
+
+
+def list_blocks(root: str | os.PathLike[str], layout: KVLayout) -> list[BlockHash]:
+    """The block files of `layout` under a disk tier's `root`, oldest first, by name and
+    size alone. Read only: for a reader beside the directory's owner (vLLM's scheduler
+    process, whose worker opened and recovered the directory), which must never delete
+    behind it; a missing directory holds no blocks."""
+    directory = Path(root) / directory_name(layout.fingerprint)
+    found: list[tuple[int, BlockHash]] = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                block_hash = hash_of(entry.name)
+                if block_hash is None or not entry.is_file(follow_symlinks=False):
+                    continue
+                stat = entry.stat()
+                if stat.st_size == block_file_bytes(layout.bytes_per_block, len(block_hash)):
+                    found.append((stat.st_mtime_ns, block_hash))
+    except FileNotFoundError:
+        return []
+    return [block_hash for _, block_hash in sorted(found)]
 
 
 def delete(path: str) -> int:

@@ -18,7 +18,7 @@ import contextlib
 import operator
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 import xxhash
@@ -32,6 +32,9 @@ TMP_SUFFIX = ".tmp"
 LAYOUT_FILE = "layout.json"
 LOCK_FILE = "lock"  # held by the directory's one open DiskStore (flock)
 DIR_PREFIX = "kvtier-"
+# The longest key a block file names: vLLM's offload keys for hybrid models (a 32-byte
+# sha256 block hash and a 4-byte KV-cache group index); budgets count files this long.
+MAX_KEY_BYTES = 36
 
 # magic, version, hash length, fingerprint, payload length, payload xxh3
 _FIXED = struct.Struct("<4sHH16sQQ")
@@ -147,6 +150,16 @@ class HeaderCheck:
         ):
             return int.from_bytes(data[_PREFIX.size : _FIXED.size], "little")
         return None
+
+
+def block_file_bytes(payload_bytes: int, hash_len: int = MAX_KEY_BYTES) -> int:
+    """Size of one block file: its header and a payload of `payload_bytes`."""
+    return BlockHeader.size_for(hash_len) + payload_bytes
+
+
+def directory_name(fingerprint: str) -> str:
+    """The directory of one layout's blocks under a disk tier's root."""
+    return f"{DIR_PREFIX}{fingerprint}"
 
 
 def file_name(block_hash: BlockHash) -> str:
@@ -289,3 +302,31 @@ def sync_directory(directory: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def delete_block_files(directory: str | os.PathLike[str], block_hashes: Iterable[BlockHash]) -> int:
+    """Delete these blocks' files from `directory` and make that durable; returns how
+    many existed. For a holder other than the directory's `DiskStore` (a scheduler
+    fencing blocks off at a reset, before the store hears of it): absent files are
+    fine, a file that cannot be deleted raises (a reset must not pass silently)."""
+    deleted = 0
+    for block_hash in block_hashes:
+        try:
+            os.unlink(os.path.join(directory, file_name(block_hash)))
+            deleted += 1
+        except FileNotFoundError:
+            pass
+    if deleted:
+        sync_directory(directory)
+    return deleted
+
+
+def delete_block_files_except(directory: str | os.PathLike[str], keep: Set[BlockHash]) -> int:
+    """Delete every block file in `directory` whose block is not in `keep` (durably);
+    returns how many. A missing directory has nothing to delete."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return 0
+    doomed = [h for h in map(hash_of, names) if h is not None and h not in keep]
+    return delete_block_files(directory, doomed)

@@ -62,6 +62,25 @@ class KVLayout:
     hash_scheme: str = "sha256_cbor"
     format_version: int = field(default=FORMAT_VERSION)
 
+    @classmethod
+    def from_model_config(
+        cls, config: dict[str, Any], block_size: int, dtype: str | None = None
+    ) -> KVLayout:
+        """The layout of a Hugging Face `config.json`'s KV cache (a decoder whose every
+        layer has full attention heads: what vLLM allocates per token), in `dtype` or the
+        config's own `torch_dtype`. A missing key is a KeyError naming it."""
+        try:
+            layers = int(config["num_hidden_layers"])
+            heads = int(config["num_attention_heads"])
+            kv_heads = int(config.get("num_key_value_heads") or heads)
+            head_size = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        except KeyError as e:
+            raise KeyError(f"model config has no {e.args[0]!r} (needed for its KV size)") from None
+        name = dtype or str(config.get("torch_dtype") or "float16")
+        if name not in DTYPE_ITEMSIZE:
+            raise ValueError(f"KV dtype {name!r}; known: {sorted(DTYPE_ITEMSIZE)}")
+        return cls(layers, kv_heads, head_size, block_size, dtype=name)
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
             value = getattr(self, name)

@@ -62,6 +62,10 @@ class CascadeHandler:
     def close(self) -> None:
         self._host.close()
 
+    def discard(self, block_hashes: list[BlockHash]) -> None:
+        """Delete disk blocks the scheduler let go of (`TransferWorker.submit_discard`)."""
+        self.disk.discard(block_hashes)
+
     @classmethod
     def worker(
         cls, kv: DeviceKV, memory: MemoryStore, disk: DiskStore, *, max_queued_jobs: int = 64

@@ -9,6 +9,8 @@ API (vLLM's offloading-worker shape):
   the last call; unpacks as a 4-tuple.
 - `wait(job_ids)`: block until those jobs have finished (results stay queued for
   `get_finished`).
+- `submit_discard(job_id, block_hashes)`: delete blocks from a medium that keeps
+  them by hash (the disk), in order with the stores.
 
 Why this shape: the scheduler must never block on bytes, and must never see an
 exception from a medium. So each direction has one thread and a bounded queue; a
@@ -40,7 +42,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -50,11 +52,14 @@ from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockStore
 from kvtier.transfer.device import DeviceKV, limit_torch_threads
 from kvtier.transfer.handlers import HostSlotHandler, StagedHandler, TransferHandler
+from kvtier.types import BlockHash
 
 log = logging.getLogger(__name__)
 
 STORE = "store"
 LOAD = "load"
+DISCARD = "discard"  # delete blocks from the medium, in order with the stores
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)
 _STOP = object()
 # A merged run takes queued jobs up to about this many bytes. The first job's result
 # waits for the whole run (about 50 ms on this machine's 5 GB/s, 12 ms at 20 GB/s),
@@ -74,7 +79,7 @@ class TransferResult(NamedTuple):
 class _Job(NamedTuple):
     job_id: int
     device_ids: npt.NDArray[np.int64]
-    spec: LoadStoreSpec
+    spec: LoadStoreSpec | list[BlockHash]  # the hashes, for a discard
     ready: Any
 
 
@@ -106,7 +111,7 @@ class TransferWorker:
         )
         self._lock = threading.Condition()
         self._outstanding: set[int] = set()
-        self._order: dict[str, deque[int]] = {STORE: deque(), LOAD: deque()}
+        self._order: dict[str, deque[int]] = {STORE: deque(), LOAD: deque(), DISCARD: deque()}
         self._done: dict[int, TransferResult] = {}
         self._finished: list[TransferResult] = []
         self.errors: deque[tuple[int, str]] = deque(maxlen=256)
@@ -115,6 +120,7 @@ class TransferWorker:
             d: shared if ordered else queue.Queue(maxsize=max_queued_jobs) for d in (STORE, LOAD)
         }
         served = [shared] if ordered else list(self._queues.values())
+        self._queues[DISCARD] = self._queues[STORE]
         self._threads = [
             threading.Thread(
                 target=self._serve, args=(q,), name=f"kvtier-transfer-{i}", daemon=True
@@ -166,6 +172,14 @@ class TransferWorker:
         """Queue a load; False when rejected (reported later as a failed result)."""
         ids = self.handler.kv.block_ids(device_block_ids)
         return self._submit(LOAD, _Job(job_id, ids, src_spec, None))
+
+    def submit_discard(self, job_id: int, block_hashes: Sequence[BlockHash]) -> bool:
+        """Queue the deletion of blocks the scheduler let go of (evicted, or failed). It
+        runs in order with the stores, so a store submitted after it that reuses their
+        room finds them gone; its result comes like any job's."""
+        if getattr(self.handler, "discard", None) is None:
+            raise TypeError(f"{type(self.handler).__name__} holds no blocks to discard")
+        return self._submit(DISCARD, _Job(job_id, _NO_BLOCKS, list(block_hashes), None))
 
     def _submit(self, direction: str, job: _Job) -> bool:
         with self._lock:
@@ -246,7 +260,7 @@ class TransferWorker:
         """`job` and the jobs of the same direction queued right behind it (when the
         handler merges), and the next item to serve (None: take one from the queue)."""
         batch = [job]
-        if self._merge is None:
+        if self._merge is None or direction == DISCARD:
             return batch, None
         blocks, limit = len(job.device_ids), MERGE_MAX_BYTES // self._block_bytes
         while blocks < limit:
@@ -286,7 +300,7 @@ class TransferWorker:
         if self._merge is None:
             return None
         try:
-            spec = self._merge([job.spec for job in batch])
+            spec = self._merge([cast(LoadStoreSpec, job.spec) for job in batch])
         except Exception:  # a bad spec fails its own job when the jobs run one by one
             return None
         if spec is None:
@@ -303,7 +317,10 @@ class TransferWorker:
         merge of `merged` queued jobs (they are then run one by one, and those fail)."""
         start = time.perf_counter()
         try:
-            if direction == STORE:
+            if isinstance(job.spec, list):  # a discard
+                self.handler.discard(job.spec)  # type: ignore[attr-defined]
+                moved = 0
+            elif direction == STORE:
                 moved = self.handler.store(job.device_ids, job.spec, job.ready)
             else:
                 moved = self.handler.load(job.spec, job.device_ids)

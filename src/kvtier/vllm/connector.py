@@ -14,7 +14,10 @@ and one thing more (the last point):
   never reached the disk) rides to the scheduler in the worker metadata.
 - scheduler side: the report is applied to kvtier's manager before vLLM completes
   the jobs of the same step, so a failed store is dropped instead of made readable
-  and a corrupt block is forgotten instead of offered again.
+  and a corrupt block is forgotten instead of offered again. Under tensor parallelism
+  the workers' reports are summed (vLLM completes a job once every worker has, and
+  unions their load errors), so a block one worker failed on fails on all of them.
+- at start: models with other than attention layers (Mamba) are refused by name.
 - a step with nothing to compute (every request waits for its KV) waits a few
   milliseconds for the oldest load before it returns, rather than letting the engine
   spin through empty steps on the cores the copy runs on.
@@ -35,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
+from kvtier.vllm.extra_config import parse_extra_config
 from kvtier.vllm.spec import UNDER_KVTIER_CONNECTOR
 from kvtier.vllm.specs import WorkerReport
 from kvtier.vllm.version import check_vllm_version
@@ -58,6 +62,33 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata):
         )
 
 
+def check_layer_types(kv_cache_config: Any) -> None:
+    """Refuse, at start, KV-cache groups that are not attention (Mamba's state-space
+    layers): their cache is a per-request state, not blocks of tokens."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, iter_layer_specs
+
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        for spec in iter_layer_specs(group.kv_cache_spec):
+            if not isinstance(spec, AttentionSpec):
+                raise ValueError(
+                    f"KvtierConnector serves attention layers only; this model has "
+                    f"{type(spec).__name__} layers ({', '.join(group.layer_names[:3])}"
+                    f"{', ...' if len(group.layer_names) > 3 else ''}): state-space "
+                    f"(Mamba) models are not supported"
+                )
+
+
+def worker_meta(meta: OffloadingWorkerMetadata | None, report: WorkerReport) -> Any:
+    """One worker's metadata for this step: vLLM's, with kvtier's report. Always kvtier's
+    type when there is any: vLLM sums the workers' metadata (tensor parallelism) with
+    the first one's `aggregate`, and vLLM's own would drop a later worker's report."""
+    if meta is None:
+        return KvtierWorkerMetadata(report=report) if report.worth_sending() else None
+    return KvtierWorkerMetadata(
+        completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats, report=report
+    )
+
+
 # How long an empty engine step waits for a load: longer frees more of the copy's core,
 # but delays a request that arrives meanwhile by as much.
 IDLE_STEP_WAIT_S = 0.005
@@ -66,6 +97,7 @@ IDLE_STEP_WAIT_S = 0.005
 class KvtierConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         check_vllm_version()
+        check_layer_types(kv_cache_config)
         self._idle_step = False  # the current step computes nothing (see get_finished)
         token = UNDER_KVTIER_CONNECTOR.set(True)
         try:
@@ -80,6 +112,18 @@ class KvtierConnector(OffloadingConnector):
                 'recomputed; set "kv_load_failure_policy": "recompute"',
                 transfer.kv_load_failure_policy,
             )
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """The earliest call vLLM makes into a connector class: while it builds its
+        config, in the process that parses the command line, before any engine or worker
+        process starts (on builds with full CUDA graphs, vLLM's GPU default). A bad
+        `kv_connector_extra_config` stops the start there, with one message naming the
+        key, instead of in the middle of a worker's traceback. kvtier's connector runs
+        no layer-wise transfers: CUDA graphs need no piecewise mode for it."""
+        if extra_config.get("spec_name") == "KvtierOffloadingSpec":
+            parse_extra_config(extra_config)
+        return False
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
@@ -109,18 +153,11 @@ class KvtierConnector(OffloadingConnector):
     def build_connector_worker_meta(self) -> Any:
         meta = super().build_connector_worker_meta()
         worker = self._kvtier_worker()
-        report = worker.take_report() if worker is not None else WorkerReport()
-        if not report:
-            return meta
-        if meta is None:
-            return KvtierWorkerMetadata(report=report)
-        return KvtierWorkerMetadata(
-            completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats, report=report
-        )
+        return worker_meta(meta, worker.take_report() if worker is not None else WorkerReport())
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, KvtierWorkerMetadata) and meta.report:
+        if isinstance(meta, KvtierWorkerMetadata) and meta.report.worth_sending():
             manager = self.scheduler.manager
             if hasattr(manager, "apply_worker_report"):
                 manager.apply_worker_report(meta.report)

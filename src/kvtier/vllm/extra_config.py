@@ -2,19 +2,18 @@
 
 vLLM hands a spec its extra config as an untyped dict, and a misspelt key there is
 silently ignored by dict lookups until someone wonders why the disk stays empty. So
-every key is parsed here once, into one frozen dataclass, and a key that is neither
-kvtier's nor one of vLLM's own connector keys stops the engine with a message naming
-it and listing what is allowed. This module imports no vLLM: it is tested alone.
+every key is parsed once, into one frozen `TierConfig` (the replay's `--vllm-config`
+reads the same keys with the same checks), and a key that is neither kvtier's nor one
+of vLLM's own connector keys stops the engine with a message naming it and listing
+what is allowed. This module imports no vLLM: it is tested alone.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from kvtier.offload.policies import available_policies, get_policy_class
+from kvtier.connector.tier_config import TIER_KEYS, TierConfig, parse_tier_config
 
 # Keys vLLM's OffloadingConnector itself reads from the same dict; they are vLLM's
 # business and pass through untouched.
@@ -42,43 +41,8 @@ NOT_APPLICABLE = {
     "backpressure": "kvtier's transfer workers bound their own queues",
 }
 
-DiskWrites = Literal["demote", "write_through"]
 
-
-@dataclass(frozen=True)
-class KvtierVllmConfig:
-    """kvtier's part of `kv_connector_extra_config` (see the README's "With vLLM")."""
-
-    cpu_bytes_to_use: int
-    eviction_policy: str = "lru"
-    store_threshold: int = 0
-    cpu_checksums: bool = False
-    cpu_copy_threads: int = 2
-    disk_path: str | None = None
-    disk_bytes_to_use: int | None = None
-    disk_writes: DiskWrites = "demote"
-    disk_fsync: bool = True
-    disk_io_threads: int = 2
-    redis_url: str | None = None
-    redis_socket_timeout_s: float = 0.25
-    redis_connect_timeout_s: float = 0.25
-    redis_ttl_s: int | None = None
-    redis_key_prefix: str = "kvt"
-
-    @property
-    def has_disk(self) -> bool:
-        return self.disk_path is not None
-
-    @property
-    def has_redis(self) -> bool:
-        return self.redis_url is not None
-
-
-_FIELDS = {f.name: f for f in dataclasses.fields(KvtierVllmConfig)}
-KVTIER_KEYS = frozenset(_FIELDS)
-
-
-def parse_extra_config(extra: Mapping[str, Any]) -> KvtierVllmConfig:
+def parse_extra_config(extra: Mapping[str, Any]) -> TierConfig:
     """The kvtier config in `extra`, or a ValueError naming the first bad key."""
     for key in extra:
         if key in NOT_APPLICABLE:
@@ -86,78 +50,13 @@ def parse_extra_config(extra: Mapping[str, Any]) -> KvtierVllmConfig:
                 f"kv_connector_extra_config key {key!r} does not apply to "
                 f"KvtierOffloadingSpec: {NOT_APPLICABLE[key]}"
             )
-        if key not in KVTIER_KEYS and key not in VLLM_KEYS:
+        if key not in TIER_KEYS and key not in VLLM_KEYS:
             raise ValueError(
                 f"unknown kv_connector_extra_config key {key!r} for KvtierOffloadingSpec; "
-                f"kvtier keys: {sorted(KVTIER_KEYS)}; vLLM connector keys: {sorted(VLLM_KEYS)}"
+                f"kvtier keys: {sorted(TIER_KEYS)}; vLLM connector keys: {sorted(VLLM_KEYS)}"
             )
-    if extra.get("cpu_bytes_to_use") is None:
-        raise ValueError(
-            "kv_connector_extra_config needs 'cpu_bytes_to_use' (bytes of host memory for "
-            "kvtier's CPU tier, e.g. 8000000000)"
-        )
-    values = {key: _check(key, extra[key]) for key in extra if key in KVTIER_KEYS}
-    config = KvtierVllmConfig(**values)
-    _check_combination(config)
-    return config
-
-
-def _check(key: str, value: Any) -> Any:
-    where = f"kv_connector_extra_config[{key!r}]"
-    if key in ("cpu_bytes_to_use", "disk_bytes_to_use"):
-        return _integer(where, value, minimum=1)
-    if key in ("store_threshold", "disk_io_threads", "redis_ttl_s", "cpu_copy_threads"):
-        return _integer(where, value, minimum=1 if key != "store_threshold" else 0)
-    if key in ("cpu_checksums", "disk_fsync"):
-        if not isinstance(value, bool):
-            raise ValueError(f"{where} must be true or false, got {value!r}")
-        return value
-    if key in ("redis_socket_timeout_s", "redis_connect_timeout_s"):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise ValueError(f"{where} must be a number of seconds > 0, got {value!r}")
-        return float(value)
-    if key == "disk_writes":
-        if value not in ("demote", "write_through"):
-            raise ValueError(f"{where} must be 'demote' or 'write_through', got {value!r}")
-        return value
-    if key == "eviction_policy":
-        if not isinstance(value, str):
-            raise ValueError(f"{where} must be a policy name, got {value!r}")
-        try:
-            get_policy_class(value)
-        except (ValueError, TypeError, ImportError, AttributeError) as exc:
-            raise ValueError(f"{where}: {exc} (kvtier policies: {available_policies()})") from None
-        return value
-    if not isinstance(value, str) or not value:  # disk_path, redis_url, redis_key_prefix
-        raise ValueError(f"{where} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _integer(where: str, value: Any, minimum: int) -> int:
-    """An int >= minimum; a float with no fraction is accepted (JSON writes 8e9 so)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_combination(config: KvtierVllmConfig) -> None:
-    if config.has_disk != (config.disk_bytes_to_use is not None):
-        given, missing = (
-            ("disk_path", "disk_bytes_to_use")
-            if config.has_disk
-            else ("disk_bytes_to_use", "disk_path")
-        )
-        raise ValueError(
-            f"kv_connector_extra_config has {given!r} but not {missing!r}: the disk tier "
-            "needs both a directory and a byte budget"
-        )
-    if config.redis_url is not None and not config.redis_url.startswith(("redis://", "rediss://")):
-        raise ValueError(
-            "kv_connector_extra_config['redis_url'] must start with redis:// or rediss://, "
-            "got a URL with another scheme"
-        )
+    values = {key: value for key, value in extra.items() if key in TIER_KEYS}
+    return parse_tier_config(values, "kv_connector_extra_config")
 
 
 def transfer_config(**extra_config: Any) -> dict[str, Any]:

@@ -22,9 +22,13 @@ a demotion that did not reach the disk) comes back through `KvtierConnector` and
 applied by `apply_worker_report` before vLLM completes the job, so a failed store is
 never made readable and a corrupt block is forgotten.
 
-Keys: vLLM's `OffloadKey` is a block hash followed by a 4-byte KV-group index. The
-spec accepts one KV-cache group, so kvtier's managers are given the bare block hash
-(byte-identical to kvtier's own `sha256_cbor` hashes) and events get the suffix back.
+Keys: vLLM's `OffloadKey` is a block hash followed by a 4-byte KV-group index. An
+engine of one KV-cache group gives kvtier's managers the bare block hash
+(byte-identical to kvtier's own `sha256_cbor` hashes) and events get the suffix back;
+an engine of several (a hybrid model: full and sliding-window attention) keeps the
+whole key (`whole_keys`), so each group's copy of a block is a block of its own in
+every tier. vLLM decides which keys of each group to look up, store and load (of a
+sliding-window group, only those in the window at the hit point).
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import cast
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -45,10 +54,14 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
+from kvtier.connector.chain import ChainSpec, TierChain
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
-from kvtier.offload.cascade_manager import CascadeOffloadingManager
+from kvtier.offload.abstract import reset_tier
+from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeOffloadingManager, _core
+from kvtier.remote.remote_manager import epoch_salt
 from kvtier.types import BlockHash
 from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
+from kvtier.vllm.tier_stats import TierStats
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +87,33 @@ _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 _Load = tuple[list[tuple[str, list[BlockHash]]], list[BlockHash]]
 
 
+@dataclass
+class _RequestUse:
+    """Blocks a request loaded and has not yet used. vLLM 0.32's connector never calls
+    `touch`, so kvtier's tiers learn recency where a request's blocks pass: its loaded
+    blocks and the blocks it offers at its next `prepare_store` are used then, head to
+    tail as one use (policies read one touch as one request: LRU keeps its root most
+    recent), before the store; a request that stores nothing uses its loaded blocks
+    when it finishes. A replay's request touches its blocks before it stores them: the
+    same order, so the replay predicts the engine."""
+
+    loaded: list[BlockHash] = field(default_factory=list)
+
+
+def _use_of(req_context: ReqContext) -> _RequestUse:
+    use: _RequestUse | None = req_context.get_state(_RequestUse)
+    if use is None:
+        use = _RequestUse()
+        req_context.set_state(use)
+    return use
+
+
 def block_hash_of(key: OffloadKey) -> BlockHash:
+    """An engine of one KV-cache group: the key's block hash."""
     if not key.endswith(GROUP_SUFFIX):
         raise ValueError(
             f"offload key {bytes(key).hex()} is of KV-cache group "
-            f"{int.from_bytes(key[-4:], 'big')}; KvtierOffloadingSpec serves group 0 only"
+            f"{int.from_bytes(key[-4:], 'big')}; this engine was started with one group"
         )
     return BlockHash(bytes(key[:-4]))
 
@@ -87,18 +122,37 @@ def key_of(block_hash: BlockHash) -> OffloadKey:
     return OffloadKey(block_hash + GROUP_SUFFIX)
 
 
+def whole_key(key: OffloadKey) -> BlockHash:
+    """An engine of several KV-cache groups: the whole key names the group's block."""
+    return BlockHash(bytes(key))
+
+
 class KvtierOffloadingManager(OffloadingManager):
     def __init__(
         self,
         local: KvtierManager,
         remote: KvtierManager | None = None,
         *,
+        whole_keys: bool = False,
         enable_events: bool = False,
         on_close: Callable[[], None] | None = None,
         take_discards: Callable[[], list[BlockHash]] | None = None,
+        delete_files: Callable[[list[BlockHash]], object] | None = None,
+        keep_files: Callable[[set[BlockHash]], object] | None = None,
+        block_bytes: int = 0,
+        file_bytes: int = 0,
     ) -> None:
-        """`take_discards`: disk files the local tier let go of since the last job (the
-        worker deletes them in order, before the job that may reuse their slots)."""
+        """`whole_keys`: the engine has several KV-cache groups (see the module's "Keys");
+        `take_discards`: disk files the local tier let go of since the last job (the
+        worker deletes them in order, before the job that may reuse their slots);
+        `delete_files`: deletes disk files from here, for what must be gone before any
+        job comes (a reset); `keep_files`: deletes every disk file but these (shutdown);
+        `block_bytes`, `file_bytes`: one block's bytes, and its disk file's (metrics)."""
+        self.whole_keys = whole_keys
+        self._hash_of: Callable[[OffloadKey], BlockHash] = (
+            whole_key if whole_keys else block_hash_of
+        )
+        self._key_of: Callable[[BlockHash], OffloadKey] = OffloadKey if whole_keys else key_of
         self.local = local
         lookup_one = getattr(local, "lookup_one", None)  # the CPU manager's, list-free
         self._local_hit: Callable[[BlockHash], bool] = lookup_one or (
@@ -108,17 +162,31 @@ class KvtierOffloadingManager(OffloadingManager):
         self.enable_events = enable_events
         self._on_close = on_close
         self._take_discards = take_discards or list
+        self._delete_files = delete_files
+        self._keep_files = keep_files
+        self._carried: list[BlockHash] = []  # discards taken early, still for the worker
+        self.epoch = 0  # resets so far: Redis's key namespace, and the worker's (reset_cache)
         # vLLM completes a load with its keys as a set: loads are found by key set
         # (each load: the parts taken from each tier, and the blocks promoted locally)
         self._loads: defaultdict[frozenset[BlockHash], deque[_Load]]
         self._loads = defaultdict(deque)
-        self._storing: dict[BlockHash, list[str]] = {}
+        # kvtier's one join of local and remote tiers: write-through stores, promotions
+        members = [(LOCAL, local)] if remote is None else [(LOCAL, local), (REMOTE, remote)]
+        self.chain = TierChain(members, promote=False)
         self._found: OrderedDict[BlockHash, str] = OrderedDict()
         self._failed_stores: set[tuple[str, BlockHash]] = set()
         self._failed_loads: set[BlockHash] = set()
         self._to_forget: set[BlockHash] = set()
         self.load_failures = 0
         self.store_failures = 0
+        if isinstance(local, CascadeOffloadingManager):
+            tiers = {"cpu": _core(local.cpu), "disk": _core(local.disk)}
+        else:
+            tiers = {"cpu": _core(local)}
+        self._local_label = "disk" if "disk" in tiers else "cpu"
+        self.tier_stats = TierStats(
+            tiers, block_bytes=block_bytes, file_bytes=file_bytes, remote=remote
+        )
 
     def _tier(self, name: str) -> KvtierManager:
         manager = self.local if name == LOCAL else self.remote
@@ -132,19 +200,28 @@ class KvtierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if not key.endswith(GROUP_SUFFIX):
-            block_hash_of(key)  # raises, naming the group
-        block_hash: BlockHash = key[:-4]
+        block_hash: BlockHash
+        if self.whole_keys:
+            block_hash = key  # the same bytes (see whole_key)
+        elif key.endswith(GROUP_SUFFIX):
+            block_hash = key[:-4]
+        else:
+            block_hash = block_hash_of(key)  # raises, naming the group
         if self.remote is None:  # the hot path: one tier, nothing to remember
             return _HIT if self._local_hit(block_hash) else _MISS
         if self._local_hit(block_hash):
             return self._hit(block_hash, LOCAL)
         if self._found.get(block_hash) == REMOTE:
-            return LookupResult.HIT
-        found = self.remote.lookup([block_hash])
-        if found is None:
-            return LookupResult.RETRY
-        return self._hit(block_hash, REMOTE) if found else LookupResult.MISS
+            found: int | None = 1
+        else:
+            found = self.remote.lookup([block_hash])
+            if found is None:
+                return LookupResult.RETRY
+        self.tier_stats.add("lookup_blocks", "redis", 1)
+        if not found:
+            return LookupResult.MISS
+        self.tier_stats.add("hit_blocks", "redis", 1)
+        return self._hit(block_hash, REMOTE)
 
     def _hit(self, block_hash: BlockHash, tier: str) -> LookupResult:
         self._found[block_hash] = tier
@@ -160,11 +237,11 @@ class KvtierOffloadingManager(OffloadingManager):
         return LOCAL if self._local_hit(block_hash) else REMOTE
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvtierLoadSpec:
-        hashes = [block_hash_of(k) for k in keys]
+        hashes = [self._hash_of(k) for k in keys]
         where = (
             [self._where(h) for h in hashes] if self.remote is not None else [LOCAL] * len(hashes)
         )
-        spec = KvtierLoadSpec()
+        spec = KvtierLoadSpec(epoch=self.epoch)
         taken: list[tuple[str, list[BlockHash]]] = []
         try:
             for name in (LOCAL, REMOTE):
@@ -173,24 +250,26 @@ class KvtierOffloadingManager(OffloadingManager):
                     part = [hashes[i] for i in positions]
                     tier_spec = self._tier(name).prepare_load(part)
                     taken.append((name, part))
+                    self._count_load(name, part, tier_spec)
                     spec.parts.append(Part(name, positions, part, tier_spec))
         except BaseException:  # a tier refused: unpin what the other took
             for name, part in taken:
                 self._tier(name).complete_load(part)
             raise
+        _use_of(req_context).loaded += hashes
         spec.promotion = self._plan_promotion(spec.parts)
-        spec.discards = self._take_discards()  # after the promotion's own disk evictions
+        spec.discards = self._next_discards()  # after the promotion's own disk evictions
         promoted = spec.promotion.block_hashes if spec.promotion is not None else []
         self._loads[frozenset(hashes)].append((taken, promoted))
         return spec
 
     def _plan_promotion(self, parts: list[Part]) -> Part | None:
-        """Local slots for what Redis serves, as kvtier's `TierChain` promotes (a refused
-        or full local tier just means no promotion)."""
+        """Local slots for what Redis serves, taken by the chain (a refused or full local
+        tier just means no promotion)."""
         remote = next((p for p in parts if p.tier == REMOTE), None)
         if remote is None:
             return None
-        out = self.local.prepare_store(remote.block_hashes)
+        out = self.chain.plan_promotion(0, remote.block_hashes)
         if out is None or not out.block_hashes_to_store:
             return None
         position = dict(zip(remote.block_hashes, remote.positions, strict=True))
@@ -198,13 +277,22 @@ class KvtierOffloadingManager(OffloadingManager):
         return Part(LOCAL, [position[h] for h in promoted], promoted, out.store_spec)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        hashes = [block_hash_of(k) for k in keys]
+        self._use([self._hash_of(k) for k in keys])
+
+    def _use(self, hashes: list[BlockHash]) -> None:
         self.local.touch(hashes)
         if self.remote is not None:
             self.remote.touch(hashes)
 
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """A request that loaded blocks and stored none uses them now (see `_RequestUse`)."""
+        use = _use_of(req_context)
+        if use.loaded:
+            self._use(use.loaded)
+            use.loaded = []
+
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        hashes = frozenset(block_hash_of(k) for k in keys)
+        hashes = frozenset(self._hash_of(k) for k in keys)
         pending = self._loads.get(hashes)
         if not pending:
             raise KeyError(f"complete_load: no load in flight for these {len(hashes)} blocks")
@@ -224,7 +312,7 @@ class KvtierOffloadingManager(OffloadingManager):
         if promoted:
             bad = {h for h in promoted if (LOCAL, h) in self._failed_stores}
             self._failed_stores.difference_update((LOCAL, h) for h in bad)
-            self.local.complete_store(promoted, remote_ok and not bad)
+            self.chain.settle_promotion(0, promoted, remote_ok and not bad)
         self._forget()
 
     # --- stores --------------------------------------------------------------
@@ -232,55 +320,49 @@ class KvtierOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        hashes = [block_hash_of(k) for k in keys]
-        outputs = [(LOCAL, self.local.prepare_store(hashes))]
-        if self.remote is not None:
-            outputs.append((REMOTE, self.remote.prepare_store(hashes)))
-        if all(out is None for _, out in outputs):
+        hashes = [self._hash_of(k) for k in keys]
+        use = _use_of(req_context)
+        self._use(use.loaded + hashes)  # the request's blocks head to tail, then its stores
+        use.loaded = []
+        out = self.chain.prepare_store(hashes)  # offered to every tier (write-through)
+        if out is None:
             return None
+        # positions in vLLM's order of the keys, which is the order of its device blocks
+        stored = set(out.block_hashes_to_store)
         order: dict[BlockHash, int] = {}
-        for _, out in outputs:
-            if out is not None:
-                for h in out.block_hashes_to_store:
-                    order.setdefault(h, len(order))
-        spec = KvtierStoreSpec(discards=self._take_discards())
-        evicted: list[BlockHash] = []
-        for name, out in outputs:
-            if out is None or not out.block_hashes_to_store:
-                continue
-            part = out.block_hashes_to_store
-            spec.parts.append(Part(name, [order[h] for h in part], part, out.store_spec))
-            for h in part:
-                self._storing.setdefault(h, []).append(name)
-            if name == LOCAL:
-                evicted = out.block_hashes_evicted
+        for h in hashes:
+            if h in stored:
+                order.setdefault(h, len(order))
+        spec = KvtierStoreSpec(discards=self._next_discards(), epoch=self.epoch)
+        for name, part, tier_spec in cast(ChainSpec, out.store_spec).parts:
+            if part:
+                spec.parts.append(Part(name, [order[h] for h in part], part, tier_spec))
         return PrepareStoreOutput(
-            keys_to_store=[key_of(h) for h in order],
+            keys_to_store=[self._key_of(h) for h in order],
             store_spec=spec,
-            evicted_keys=[key_of(h) for h in evicted],
+            evicted_keys=[self._key_of(h) for h in out.block_hashes_evicted],
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        by_tier: defaultdict[str, list[BlockHash]] = defaultdict(list)
-        for h in map(block_hash_of, keys):
-            for name in self._storing.pop(h, ()):
-                by_tier[name].append(h)
-        for name, hashes in by_tier.items():
+        hashes = [self._hash_of(k) for k in keys]
+        for name, _ in self.chain.tiers:  # each tier's part as the worker said it went
             failed = {h for h in hashes if (name, h) in self._failed_stores}
             self._failed_stores.difference_update((name, h) for h in failed)
-            ok = [h for h in hashes if h not in failed] if success else []
-            tier = self._tier(name)
-            if ok:
-                tier.complete_store(ok, True)
-            if len(ok) < len(hashes):
-                tier.complete_store([h for h in hashes if h in failed or not success], False)
+            if success and len(failed) < len(hashes):
+                ok = [h for h in hashes if h not in failed]
+                settled = self.chain.complete_part(name, ok, True)
+                if name == REMOTE:
+                    self.tier_stats.add("store_blocks", "redis", len(settled))
+            if failed or not success:
+                self.chain.complete_part(name, list(failed) if success else hashes, False)
 
     # --- what the worker found -------------------------------------------
 
     def apply_worker_report(self, report: WorkerReport) -> None:
         """Failures seen by the worker, applied before vLLM completes their jobs."""
+        self._count_report(report)
         for name, hashes in report.failed_stores.items():
             self.store_failures += 1
             self._failed_stores.update((name, h) for h in hashes)
@@ -294,6 +376,43 @@ class KvtierOffloadingManager(OffloadingManager):
         self._to_forget.update(report.corrupt_blocks + report.lost_demotions)
         self._forget()
 
+    def _count_report(self, report: WorkerReport) -> None:
+        """The report's part of the per-tier metrics (local store failures and the
+        rest are counted by the managers themselves)."""
+        add = self.tier_stats.add
+        for timed, seconds in report.seconds.items():
+            tier, direction = timed.split(":")
+            add(f"{direction}_time", tier, seconds)
+        add("store_failures", "redis", len(report.failed_stores.get(REMOTE, ())))
+        for hashes in report.failed_loads:
+            add("load_failures", self._load_tier(hashes), len(hashes))
+        add("corrupt_blocks", "disk", len(report.corrupt_blocks))
+        add("corrupt_blocks", "redis", report.remote_corrupt)
+        add("store_failures", "disk", len(report.lost_demotions))
+
+    def _count_load(self, name: str, part: list[BlockHash], spec: object) -> None:
+        add = self.tier_stats.add
+        if name == REMOTE:
+            add("load_blocks", "redis", len(part))
+        elif isinstance(spec, CascadeLoadSpec):  # (the disk manager also counts demotion pins)
+            add("load_blocks", "cpu", len(spec.cpu_positions))
+            add("load_blocks", "disk", len(spec.disk_positions))
+        else:
+            add("load_blocks", "cpu", len(part))
+
+    def _load_tier(self, hashes: list[BlockHash]) -> str:
+        """The tier a failed load part read (its blocks are still pinned by the load)."""
+        for queued in self._loads.values():
+            for taken, _ in queued:
+                for name, part in taken:
+                    if hashes and hashes[0] in part:
+                        return "redis" if name == REMOTE else self._local_label
+        return self._local_label
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        """Per-tier counters, occupancy and Redis lookup times for vLLM's `/metrics`."""
+        return self.tier_stats.take()
+
     def _forget(self) -> None:
         """Drop lost disk blocks; one still pinned by its failed load goes at its completion."""
         if self._to_forget and isinstance(self.local, CascadeOffloadingManager):
@@ -304,7 +423,42 @@ class KvtierOffloadingManager(OffloadingManager):
         loads = self._loads.values()
         return {h for queued in loads for taken, _ in queued for _, part in taken for h in part}
 
+    def _next_discards(self) -> list[BlockHash]:
+        carried, self._carried = self._carried, []
+        return carried + self._take_discards()
+
     # --- events, lifecycle ---------------------------------------------------
+
+    def reset_cache(self) -> None:
+        """vLLM's prefix-cache reset (`reset_prefix_cache(reset_connector=True)`, after a
+        weight update): no block stored before it is served by this engine again.
+
+        CPU slots are freed and disk blocks forgotten at once, and their files deleted
+        from here before the call returns, so that not even a crash right after can
+        bring them back; the worker hears of them with the next job (its byte budget).
+        The shared tier moves to the next key epoch (`epoch_salt`): keys written before
+        are never read again, and Redis evicts them as they age. vLLM drops every job
+        of before the reset (never completing it here) and has the worker finish them
+        before any later job reuses their slots; what those jobs write to disk is
+        deleted by the discards that precede the next job in the worker's queue.
+        """
+        reset_tier(self.local)
+        self.epoch += 1
+        if self.remote is not None:
+            reset = getattr(self.remote, "reset_cache", None)
+            if reset is None:
+                raise TypeError(f"{type(self.remote).__name__} cannot reset its key epoch")
+            reset(epoch_salt(self.epoch))
+        self._loads.clear()
+        self.chain.forget()
+        self._found.clear()
+        self._failed_stores.clear()
+        self._failed_loads.clear()
+        self._to_forget.clear()
+        discards = self._next_discards()
+        if self._delete_files is not None:
+            self._delete_files(discards)
+        self._carried = discards
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         tiers = [self.local] if self.remote is None else [self.local, self.remote]
@@ -314,13 +468,31 @@ class KvtierOffloadingManager(OffloadingManager):
                     continue
                 medium, locality = _MEDIA.get(event.medium, (Medium.STORAGE, Locality.LOCAL))
                 yield OffloadingEvent(
-                    keys=[key_of(h) for h in event.block_hashes],
+                    keys=[self._key_of(h) for h in event.block_hashes],
                     medium=medium,
                     removed=event.removed,
                     locality=locality,
                 )
 
     def shutdown(self) -> None:
+        """vLLM shuts the worker down first (it has flushed the CPU tier to disk by then):
+        the disk directory is left holding exactly the blocks this side knows, in the
+        CPU tier or on disk. Files the worker was never told to delete (evictions since
+        the last job, a reset with no job after it, blocks the flush wrote from slots a
+        reset let go of) would otherwise come back at a restart."""
+        if self._keep_files is not None and isinstance(self.local, CascadeOffloadingManager):
+            discards = self._next_discards()
+            try:  # never keep vLLM from stopping
+                try:
+                    keep = set(self.local.held_keys())
+                except NotImplementedError as exc:  # a policy that cannot list its keys
+                    log.warning("kvtier: only evicted disk blocks deleted at shutdown: %s", exc)
+                    if self._delete_files is not None:
+                        self._delete_files(discards)
+                else:
+                    self._keep_files(keep)
+            except OSError as exc:
+                log.warning("kvtier: disk directory not tidied at shutdown: %s", exc)
         if self._on_close is not None:
             self._on_close()
             self._on_close = None

@@ -1,8 +1,11 @@
 """vLLM's worker-side `OffloadingWorker` over kvtier's transfer workers.
 
 vLLM hands the worker its KV caches as canonical tensors, one `[num_blocks,
-page_bytes]` byte view per attention layer, where a block's page is its K plane then
-its V plane. kvtier's data plane cuts caches into per-block segments in the host
+page_bytes]` byte view per attention layer (of a hybrid model: per layer of its
+largest KV-cache group, which the other groups' layers share), where a block's page is
+its K plane then its V plane. Under tensor parallelism each worker holds, and moves,
+its own shard (its heads), into tiers of its own (see `engine_shape`). kvtier's data
+plane cuts caches into per-block segments in the host
 byte order `[layer][K, V][...]`, so each page is cut into its two halves and
 everything below (host slots, the crash-safe disk cascade, Redis) is kvtier's own
 code, run exactly as the replay tool runs it. CPU tensors on the CPU platform; on
@@ -24,6 +27,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,7 +41,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvtier.offload.abstract import LoadStoreSpec as KvtierSpec
+from kvtier.connector.tier_config import TierConfig
+from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeStoreSpec
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
@@ -45,10 +50,10 @@ from kvtier.transfer.cascade_handler import CascadeHandler
 from kvtier.transfer.device import DeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
-from kvtier.vllm.extra_config import KvtierVllmConfig
 from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
 
 log = logging.getLogger(__name__)
+FLUSH_BATCH = 64  # blocks per disk write of the flush at shutdown
 
 
 class CanonicalDeviceKV(DeviceKV):
@@ -59,7 +64,7 @@ class CanonicalDeviceKV(DeviceKV):
         if len(tensors) != layout.num_layers:
             raise ValueError(
                 f"vLLM registered {len(tensors)} KV cache tensors, the layout expects "
-                f"{layout.num_layers} (one per attention layer)"
+                f"{layout.num_layers} (one per attention layer of its largest KV-cache group)"
             )
         page = 2 * layout.segment_bytes
         num_blocks = int(tensors[0].shape[0])
@@ -87,23 +92,30 @@ class CanonicalDeviceKV(DeviceKV):
         return None if self.is_cuda else 1
 
 
-@dataclass(frozen=True)
-class DiscardSpec(KvtierSpec):
-    """Delete these disk files: run as a job of the ordered cascade worker."""
+def _slots_of(part: Part) -> list[tuple[int, BlockHash]]:
+    """(CPU slot, block) for each block this local part writes into the CPU tier."""
+    spec = part.spec
+    if isinstance(spec, CascadeStoreSpec) and spec.cpu is not None:
+        slots, positions = spec.cpu.block_ids, spec.cpu_positions
+    elif isinstance(spec, CascadeLoadSpec) and spec.promotion is not None:
+        slots, positions = spec.promotion.block_ids, spec.promotion_positions
+    else:
+        return []
+    hashes = part.block_hashes
+    return [(slot, hashes[p]) for slot, p in zip(slots.tolist(), positions, strict=True)]
 
-    block_hashes: list[BlockHash]
 
-    @staticmethod
-    def medium() -> str:
-        return "DISK"
-
-
-class _CascadeHandler(CascadeHandler):
-    def store(self, device_ids: npt.NDArray[np.int64], spec: KvtierSpec, ready: Any) -> int:
-        if isinstance(spec, DiscardSpec):
-            self.disk.discard(spec.block_hashes)
-            return 0
-        return super().store(device_ids, spec, ready)
+def _medium_of(part: Part) -> str:
+    """The tier a part's transfer is timed under: a cascade job that touches the disk
+    (a read, a write-through, a demotion) is the disk's, its time being the disk's."""
+    spec = part.spec
+    if part.tier == REMOTE:
+        return "redis"
+    if isinstance(spec, CascadeLoadSpec):
+        return "disk" if spec.disk_positions or spec.demotion is not None else "cpu"
+    if isinstance(spec, CascadeStoreSpec):
+        return "disk" if spec.disk is not None or spec.demotion is not None else "cpu"
+    return "cpu"
 
 
 @dataclass
@@ -122,23 +134,26 @@ class _Job:
 class KvtierOffloadingWorker(OffloadingWorker):
     def __init__(
         self,
-        config: KvtierVllmConfig,
+        config: TierConfig,
         layout: KVLayout,
         kv_caches: CanonicalKVCaches,
         *,
         num_cpu_slots: int,
         num_disk_blocks: int = 0,
+        disk_root: str | Path | None = None,
         remote: Any = None,
         report_failures: bool = True,
     ) -> None:
-        """`remote`: a `RemoteTier` opened for `layout` (closed by `shutdown`);
+        """`disk_root`: this worker's disk root (default `config.disk_path`; one per rank
+        under tensor parallelism, see `engine_shape.shard_root`);
+        `remote`: a `RemoteTier` opened for `layout` (closed by `shutdown`);
         `report_failures`: failures go to the report (KvtierConnector) rather than into
         the results, which vLLM's own connector asserts are all successful."""
         self.kv = CanonicalDeviceKV(layout, kv_caches)
         self.memory = MemoryStore(layout, num_cpu_slots, checksums=config.cpu_checksums)
         self.report_failures = report_failures
         self.disk: DiskStore | None = None
-        self._handler: _CascadeHandler | None = None
+        self._handler: CascadeHandler | None = None
         self.remote_tier = remote
         self.workers: dict[str, TransferWorker] = {}
         # on the CPU platform: `cpu_copy_threads` copying threads (see HostSlotHandler)
@@ -147,13 +162,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         try:
             if config.disk_path is not None:
                 self.disk = DiskStore(
-                    config.disk_path,
+                    disk_root if disk_root is not None else config.disk_path,
                     layout,
                     DiskStore.capacity_for(layout, num_disk_blocks),
                     fsync=config.disk_fsync,
                     io_threads=config.disk_io_threads,
                 )
-                self._handler = _CascadeHandler(
+                self._handler = CascadeHandler(
                     self.kv, self.memory, self.disk, copy_threads=copiers
                 )
                 self.workers[LOCAL] = TransferWorker(
@@ -178,6 +193,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._report = WorkerReport()
         self._load_errors: set[int] = set()
         self._transfer_log = os.environ.get("KVTIER_TRANSFER_LOG") or None
+        # CPU slot -> the block its last store or promotion wrote, for the flush at
+        # shutdown; cleared when a job of a later reset epoch arrives
+        self._slots: dict[int, BlockHash] = {}
+        self._epoch = 0
+        self._remote_corrupt = 0  # the remote store's corrupt_blocks already reported
 
     # --- submission ----------------------------------------------------------
 
@@ -193,8 +213,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if not isinstance(spec, KvtierStoreSpec | KvtierLoadSpec):
             raise TypeError(f"KvtierOffloadingWorker got a {type(spec).__name__} spec")
         device_ids = np.asarray(gpu.block_ids, dtype=np.int64)
+        promotion = getattr(spec, "promotion", None)
+        self._note_slots(spec.epoch, spec.parts if promotion is None else [*spec.parts, promotion])
         if spec.discards and self._handler is not None:  # in order, before this job
-            self.workers[LOCAL].submit_store(next(self._sub_ids), [], DiscardSpec(spec.discards))
+            self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
         job = _Job(is_load, device_ids, getattr(spec, "promotion", None))
         subs = [(next(self._sub_ids), part) for part in spec.parts]
         with self._lock:
@@ -223,6 +245,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
             with self._lock:
                 self._report.corrupt_blocks += corrupt
                 self._report.lost_demotions += lost
+        if self.remote_tier is not None:
+            refused = self.remote_tier.stats.corrupt_blocks
+            with self._lock:
+                self._report.remote_corrupt += refused - self._remote_corrupt
+                self._remote_corrupt = refused
         with self._lock:
             results, self._results = self._results, []
         return results
@@ -231,7 +258,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         for tier, worker in list(self.workers.items()):
             for result in worker.get_finished():
                 self._log_transfer(tier, result.job_id, result.ok, result.bytes, result.seconds)
-                self._settle(tier, result.job_id, result.ok, result.bytes)
+                self._settle(tier, result.job_id, result.ok, result.bytes, result.seconds)
 
     def _log_transfer(self, tier: str, sub: int, ok: bool, nbytes: int, seconds: float) -> None:
         """One JSON line per tier job to `$KVTIER_TRANSFER_LOG`, when set: each copy's own
@@ -249,7 +276,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         with open(self._transfer_log, "a") as log_file:
             log_file.write(json.dumps(line) + "\n")
 
-    def _settle(self, tier: str, sub: int, ok: bool, nbytes: int) -> None:
+    def _settle(self, tier: str, sub: int, ok: bool, nbytes: int, seconds: float = 0.0) -> None:
         promote: tuple[int, Part, npt.NDArray[np.int64]] | None = None
         with self._lock:
             job_id = self._owner.pop((tier, sub), None)
@@ -258,7 +285,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
             job.bytes += nbytes
+            direction = "load" if job.is_load and part is not job.promotion else "store"
+            timed = f"{_medium_of(part)}:{direction}"
+            self._report.seconds[timed] = self._report.seconds.get(timed, 0.0) + seconds
             loaded_remote = job.is_load and tier == REMOTE
+            if not ok:  # the slots it wrote (a store, a promotion) hold nothing to flush
+                self._forget_slots(part)
+                if loaded_remote and job.promotion is not None:
+                    self._forget_slots(job.promotion)
             if not ok and job.is_load and part is not job.promotion:
                 job.ok = False
                 self._report.failed_loads.append(part.block_hashes)
@@ -285,6 +319,51 @@ class KvtierOffloadingWorker(OffloadingWorker):
         success = job.ok or self.report_failures
         seconds = time.perf_counter() - job.started
         self._results.append(TransferResult(job_id, success, job.bytes, seconds))
+
+    # --- the CPU tier's blocks, for the flush at shutdown ----------------------
+
+    def _note_slots(self, epoch: int, parts: list[Part]) -> None:
+        """Record which block each CPU slot of the cascade receives. A job of a later
+        reset epoch first forgets them all: a reset let those slots go."""
+        if self._handler is None:
+            return  # no disk tier: nothing to flush to
+        with self._lock:
+            if epoch != self._epoch:
+                self._slots.clear()
+                self._epoch = epoch
+            for part in parts:
+                self._slots.update(_slots_of(part))
+
+    def _forget_slots(self, part: Part) -> None:
+        """A store or promotion failed: its slots' bytes are not the blocks'."""
+        for slot, block_hash in _slots_of(part):
+            if self._slots.get(slot) == block_hash:
+                del self._slots[slot]
+
+    def flush_to_disk(self) -> int:
+        """Write every block of the CPU tier not yet on disk to the disk tier; returns
+        how many. Run at a clean shutdown, after every job is done: with `demote` the
+        CPU tier's blocks reach disk only when evicted, and a restart must find them.
+        Stops, with a warning, when the disk tier is full (it is never written above
+        its budget). Blocks this worker never saw completed are not written."""
+        if self.disk is None or not self.workers:
+            return 0
+        self.wait(set(self._jobs))
+        with self._lock:
+            pending = [(s, h) for s, h in self._slots.items() if h not in self.disk]
+        written = 0
+        for first in range(0, len(pending), FLUSH_BATCH):
+            batch = pending[first : first + FLUSH_BATCH]
+            slots = [slot for slot, _ in batch]
+            try:
+                self.disk.write_parts([h for _, h in batch], self.memory.slot_parts(slots))
+            except OSError as exc:
+                log.warning("kvtier: flush at shutdown stopped after %d blocks: %s", written, exc)
+                break
+            written += len(batch)
+        if pending:
+            log.info("kvtier: flushed %d CPU-tier blocks to disk at shutdown", written)
+        return written
 
     def take_report(self) -> WorkerReport:
         with self._lock:
@@ -324,6 +403,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._poll()
 
     def shutdown(self) -> None:
+        """A clean shutdown: the CPU tier is flushed to disk first (see flush_to_disk)."""
+        try:
+            self.flush_to_disk()
+        except Exception:  # never keep the engine from shutting down
+            log.exception("kvtier: flush of the CPU tier at shutdown failed")
         for worker in self.workers.values():
             worker.close()
         self.workers = {}

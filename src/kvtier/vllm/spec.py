@@ -6,10 +6,11 @@
       "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
         "spec_module_path": "kvtier.vllm", "cpu_bytes_to_use": 8000000000}}'
 
-The spec is built twice per engine (once for the scheduler, once per worker, maybe
-in different processes), so everything it decides comes from the config alone: the
-block layout (and with it the fingerprint that names disk directories and Redis
-keys), the number of CPU slots and disk blocks. Every check that can fail runs in
+The spec is built once for the scheduler and once per worker (maybe in different
+processes), so everything it decides comes from the config alone: the block layout of
+each worker's shard (and with it the fingerprint that names its disk directory and
+Redis keys, see `engine_shape`), the number of CPU slots and disk blocks, the same on
+every worker of a tensor-parallel engine. Every check that can fail runs in
 `__init__`, so a wrong key, an unsupported vLLM or an unsupported engine shape stops
 the engine at start with one message.
 """
@@ -17,23 +18,33 @@ the engine at start with one message.
 from __future__ import annotations
 
 import contextvars
-import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvtier.offload import CPUOffloadingManager, FilterReusedOffloadingManager
+from kvtier.connector.tier_config import TierConfig
+from kvtier.connector.tier_stack import DiskBacking, StackConfig, build_tiers
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
-from kvtier.offload.cascade_manager import CascadeOffloadingManager
-from kvtier.offload.disk_manager import DiskOffloadingManager
-from kvtier.store.diskformat import BlockHeader, hash_of
-from kvtier.store.layout import KVLayout
+from kvtier.store.diskformat import (
+    block_file_bytes,
+    delete_block_files,
+    delete_block_files_except,
+    directory_name,
+)
 from kvtier.types import BlockHash
-from kvtier.vllm.extra_config import KvtierVllmConfig, parse_extra_config
+from kvtier.vllm.engine_shape import (
+    check_engine,
+    layout_for,
+    recovered_on_every_rank,
+    shard_root,
+)
+from kvtier.vllm.extra_config import parse_extra_config
 from kvtier.vllm.kvtier_manager import KvtierOffloadingManager
 from kvtier.vllm.kvtier_worker import KvtierOffloadingWorker
+from kvtier.vllm.shard_lookup import EveryShardLookup
 from kvtier.vllm.version import check_vllm_version
 
 # Set while KvtierConnector builds its spec: only that connector reports failed
@@ -43,54 +54,30 @@ UNDER_KVTIER_CONNECTOR: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-def layout_for(config: OffloadingConfig) -> KVLayout:
-    """The block layout both sides derive from vLLM's config alone.
-
-    Only bytes matter to the data plane, so the geometry is stated in bytes (one
-    "head" of `segment_bytes / tokens` bytes); what makes blocks interchangeable, the
-    model, its KV dtype and the block size, goes into the fingerprint via `model_id`.
-    """
-    (group,) = config.groups
-    num_layers = len(group.layer_names)
-    tokens = group.tokens_per_block
-    per_block = config.worker_kv_bytes_per_block
-    if num_layers < 1 or per_block % (2 * num_layers * tokens):
-        raise ValueError(
-            f"cannot cut {per_block} KV bytes per block into K and V planes of "
-            f"{num_layers} layers x {tokens} tokens"
-        )
-    return KVLayout(
-        num_layers=num_layers,
-        num_kv_heads=1,
-        head_size=per_block // (2 * num_layers * tokens),
-        block_size=tokens,
-        dtype="uint8",
-        model_id=f"vllm:{config.model.name}:{config.model.dtype}",
-    )
-
-
 class KvtierOffloadingSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """kvtier's per-tier metrics (`kvtier.offload.tier_metrics`), for vLLM's `/metrics`."""
+        from kvtier.vllm.tier_stats import metric_definitions
+
+        return {**super().build_metric_definitions(extra_config), **metric_definitions()}
+
     def __init__(self, config: OffloadingConfig) -> None:
         check_vllm_version()
         super().__init__(config)
-        self.kvtier: KvtierVllmConfig = parse_extra_config(self.extra_config)
+        self.kvtier: TierConfig = parse_extra_config(self.extra_config)
         self.report_failures = UNDER_KVTIER_CONNECTOR.get()
-        _check_engine(config, self.kvtier, self.report_failures)
+        check_engine(config, self.kvtier, self.report_failures)
         self.layout = layout_for(config)
         self.block_size = config.groups[0].tokens_per_block
-        self.num_cpu_slots = self.kvtier.cpu_bytes_to_use // self.layout.bytes_per_block
-        if self.num_cpu_slots < 1:
-            raise ValueError(
-                f"cpu_bytes_to_use {self.kvtier.cpu_bytes_to_use} is below one block of "
-                f"this model ({self.layout.bytes_per_block} bytes)"
-            )
-        file_bytes = BlockHeader.size_for(32) + self.layout.bytes_per_block
-        self.num_disk_blocks = (self.kvtier.disk_bytes_to_use or 0) // file_bytes
-        if self.kvtier.has_disk and self.num_disk_blocks < 1:
-            raise ValueError(
-                f"disk_bytes_to_use {self.kvtier.disk_bytes_to_use} is below one block "
-                f"file of this model ({file_bytes} bytes)"
-            )
+        self.stack_config = StackConfig.from_tier_config(
+            self.kvtier,
+            self.block_size,
+            self.layout.bytes_per_block,
+            enable_events=self.kv_events_config.enable_kv_cache_events,
+        )
+        self.num_cpu_slots = self.stack_config.cpu_blocks
+        self.num_disk_blocks = self.stack_config.disk_blocks
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
 
@@ -102,50 +89,84 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return self._manager
 
     def _build_manager(self) -> KvtierOffloadingManager:
-        cfg, events = self.kvtier, self.kv_events_config.enable_kv_cache_events
-        cpu: KvtierManager = CPUOffloadingManager(
-            self.block_size,
-            self.num_cpu_slots,
-            cache_policy=cfg.eviction_policy,
-            enable_events=events,
-        )
+        """kvtier's one builder makes the tiers; a tensor-parallel engine's Redis tier is
+        the one exception, looked up under every worker's shard keys (`shard_lookup`)."""
+        cfg, stack = self.kvtier, self.stack_config
         discards: list[BlockHash] = []
-        local = cpu
+        backing = None
         if cfg.disk_path is not None:
-            disk = DiskOffloadingManager(
-                self.block_size,
-                self.num_disk_blocks,
-                cfg.eviction_policy,
-                events,
-                on_free=discards.extend,
-            )
-            discards.extend(disk.adopt(recovered_blocks(cfg.disk_path, self.layout)))
-            lower: KvtierManager = disk
-            if cfg.store_threshold >= 2:  # admission to the disk, as the replay does
-                lower = FilterReusedOffloadingManager(disk, store_threshold=cfg.store_threshold)
-            local = CascadeOffloadingManager(
-                cpu, lower, disk_writes=cfg.disk_writes, enable_events=events
-            )
-        elif cfg.store_threshold >= 2:
-            local = FilterReusedOffloadingManager(cpu, store_threshold=cfg.store_threshold)
-        remote, tier = None, self._open_remote()
-        if tier is not None:
-            remote = tier.manager(enable_events=events, async_lookup=True)
+            # the workers opened (and recovered) their directories before the scheduler
+            whole, partial = recovered_on_every_rank(cfg.disk_path, self.config)
+            discards.extend(partial)  # a shard some rank lacks is never loaded: deleted
+            backing = DiskBacking(whole, discards.extend)
+        sharded = stack.redis_url is not None and self.config.parallel.world_size > 1
+        tiers = build_tiers(
+            replace(stack, redis_url=None) if sharded else stack,
+            disk=backing,
+            remote_key=self.layout,
+            async_lookup=True,
+        )
+        remote: KvtierManager | None = tiers.remote_manager
+        close_remote = None
+        if sharded:
+            remote, close_remote = self._sharded_remote(stack.enable_events)
 
         def take_discards() -> list[BlockHash]:
             taken = list(discards)
             discards.clear()
             return taken
 
+        def close() -> None:
+            tiers.close()
+            if close_remote is not None:
+                close_remote()
+
         return KvtierOffloadingManager(
-            local,
+            tiers.local,
             remote,
-            enable_events=events,
-            on_close=tier.close if tier is not None else None,
+            whole_keys=len(self.config.groups) > 1,
+            enable_events=stack.enable_events,
+            on_close=close,
             take_discards=take_discards,
+            delete_files=self._delete_files if cfg.disk_path is not None else None,
+            keep_files=self._keep_files if cfg.disk_path is not None else None,
+            block_bytes=self.layout.bytes_per_block,
+            file_bytes=block_file_bytes(self.layout.bytes_per_block),
         )
 
-    def _open_remote(self) -> Any:
+    def _disk_directories(self) -> list[Path]:
+        """Every worker's directory of this engine's shards."""
+        disk_path = self.kvtier.disk_path or ""
+        return [
+            shard_root(disk_path, self.config, rank)
+            / directory_name(layout_for(self.config, rank).fingerprint)
+            for rank in range(self.config.parallel.world_size)
+        ]
+
+    def _delete_files(self, block_hashes: list[BlockHash]) -> None:
+        if block_hashes:
+            for directory in self._disk_directories():
+                delete_block_files(directory, block_hashes)
+
+    def _keep_files(self, block_hashes: set[BlockHash]) -> None:
+        for directory in self._disk_directories():
+            delete_block_files_except(directory, block_hashes)
+
+    def _sharded_remote(self, events: bool) -> tuple[KvtierManager, Any]:
+        """The Redis tier's manager of a multi-worker engine on the scheduler side: a
+        block is there only if every worker's shard is (see `shard_lookup`)."""
+        tiers = [self._open_remote(rank) for rank in range(self.config.parallel.world_size)]
+        first = tiers[0].manager(enable_events=events, async_lookup=True)
+        others = [tier.manager(async_lookup=True) for tier in tiers[1:]]
+
+        def close() -> None:
+            for tier in tiers:
+                tier.close()
+
+        return EveryShardLookup(first, others), close
+
+    def _open_remote(self, rank: int | None = None) -> Any:
+        """The Redis tier under the keys of one worker's shards (default this one's)."""
         cfg = self.kvtier
         if cfg.redis_url is None:
             return None
@@ -153,12 +174,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
         return RemoteTier.from_url(
             cfg.redis_url,
-            self.layout,
+            self.layout if rank is None else layout_for(self.config, rank),
             block_size=self.block_size,
-            socket_timeout_s=cfg.redis_socket_timeout_s,
-            connect_timeout_s=cfg.redis_connect_timeout_s,
-            ttl_s=cfg.redis_ttl_s,
-            key_prefix=cfg.redis_key_prefix,
+            **cfg.redis_options(),
         )
 
     # --- worker side -----------------------------------------------------------
@@ -169,6 +187,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 self.kvtier,
                 self.layout,
                 kv_caches,
+                disk_root=shard_root(self.kvtier.disk_path, self.config)
+                if self.kvtier.disk_path is not None
+                else None,
                 num_cpu_slots=self.num_cpu_slots,
                 num_disk_blocks=self.num_disk_blocks,
                 remote=self._open_remote(),
@@ -177,48 +198,4 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return self._worker
 
 
-def _check_engine(config: OffloadingConfig, cfg: KvtierVllmConfig, kvtier_connector: bool) -> None:
-    """Refuse engine shapes the spec does not serve, naming the setting to change."""
-    if len(config.groups) != 1:
-        raise ValueError(
-            f"KvtierOffloadingSpec serves models with one KV-cache group; this engine has "
-            f"{len(config.groups)} (hybrid or sliding-window models are not supported yet)"
-        )
-    if config.cache.blocks_per_chunk != 1:
-        raise ValueError(
-            f"KvtierOffloadingSpec offloads whole engine blocks: drop 'block_size' / "
-            f"'blocks_per_chunk' from kv_connector_extra_config (blocks_per_chunk is "
-            f"{config.cache.blocks_per_chunk})"
-        )
-    if config.parallel.world_size != 1:
-        raise ValueError(
-            f"KvtierOffloadingSpec runs on one worker; this engine has "
-            f"{config.parallel.world_size} (tensor/pipeline parallelism is not supported yet)"
-        )
-    if not kvtier_connector and (cfg.has_disk or cfg.has_redis or cfg.cpu_checksums):
-        raise ValueError(
-            'disk_path, redis_url and cpu_checksums need "kv_connector": "KvtierConnector" '
-            'with "kv_connector_module_path": "kvtier.vllm": vLLM\'s own OffloadingConnector '
-            "asserts that every transfer succeeds, so a failed disk or Redis load would stop "
-            "the engine instead of being recomputed"
-        )
-
-
-def recovered_blocks(disk_path: str, layout: KVLayout) -> list[BlockHash]:
-    """Block files of `layout` under `disk_path`, oldest first, as the worker's recovery
-    left them (the worker opens the directory, and recovers it, before the scheduler
-    is built). Read only: the scheduler side never deletes behind the worker."""
-    from kvtier.store.diskformat import DIR_PREFIX
-
-    directory = Path(disk_path) / f"{DIR_PREFIX}{layout.fingerprint}"
-    size = BlockHeader.size_for(32) + layout.bytes_per_block
-    found: list[tuple[int, BlockHash]] = []
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        block_hash = hash_of(entry.name)
-        if block_hash is not None and entry.is_file() and entry.stat().st_size == size:
-            found.append((entry.stat().st_mtime_ns, block_hash))
-    return [h for _, h in sorted(found)]
+__all__ = ["KvtierOffloadingSpec", "layout_for"]

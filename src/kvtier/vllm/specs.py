@@ -5,7 +5,8 @@ prefix partly in local memory or on disk, partly in the shared Redis tier), so a
 job's spec is a list of parts, each naming its tier, its positions in the job's key
 (and device block) order, and that tier's own kvtier spec. `discards` are disk files
 the scheduler let go of (evicted or failed): the worker deletes them in job order,
-before any copy of the job that may reuse their slots.
+before any copy of the job that may reuse their slots, as a discard job of their own
+(`TransferWorker.submit_discard`), not a store.
 
 `WorkerReport` is the way back: which parts failed, which disk blocks were found
 corrupt, which demotions never reached the disk. vLLM's own connector has no channel
@@ -35,8 +36,12 @@ class Part:
 
 @dataclass
 class KvtierStoreSpec(LoadStoreSpec):
+    """`epoch`: the scheduler's count of resets; a job of a later epoch than the worker
+    has seen tells it that every CPU slot it knew of was let go (see the worker's flush)."""
+
     parts: list[Part] = field(default_factory=list)
     discards: list[BlockHash] = field(default_factory=list)
+    epoch: int = 0
 
 
 @dataclass
@@ -47,29 +52,49 @@ class KvtierLoadSpec(LoadStoreSpec):
     parts: list[Part] = field(default_factory=list)
     discards: list[BlockHash] = field(default_factory=list)
     promotion: Part | None = None
+    epoch: int = 0
 
 
 @dataclass
 class WorkerReport:
-    """Failures since the last report; `merge` sums the reports of several workers."""
+    """Failures since the last report; `merge` sums the reports of several workers.
+
+    `seconds`: time of the transfer jobs since the last report, by "tier:load" or
+    "tier:store" (tier: cpu, disk, redis); `remote_corrupt`: Redis values refused
+    at load (the scheduler side's metrics)."""
 
     failed_stores: dict[str, list[BlockHash]] = field(default_factory=dict)
     failed_loads: list[list[BlockHash]] = field(default_factory=list)
     corrupt_blocks: list[BlockHash] = field(default_factory=list)
     lost_demotions: list[BlockHash] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    remote_corrupt: int = 0
 
     def __bool__(self) -> bool:
+        """Whether anything failed."""
         return bool(
-            self.failed_stores or self.failed_loads or self.corrupt_blocks or self.lost_demotions
+            self.failed_stores
+            or self.failed_loads
+            or self.corrupt_blocks
+            or self.lost_demotions
+            or self.remote_corrupt
         )
+
+    def worth_sending(self) -> bool:
+        return bool(self) or bool(self.seconds)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         stores = {k: list(v) for k, v in self.failed_stores.items()}
         for tier, hashes in other.failed_stores.items():
             stores.setdefault(tier, []).extend(hashes)
+        seconds = dict(self.seconds)
+        for key, value in other.seconds.items():
+            seconds[key] = seconds.get(key, 0.0) + value
         return WorkerReport(
             stores,
             self.failed_loads + other.failed_loads,
             self.corrupt_blocks + other.corrupt_blocks,
             self.lost_demotions + other.lost_demotions,
+            seconds,
+            self.remote_corrupt + other.remote_corrupt,
         )

@@ -19,7 +19,7 @@ from itertools import filterfalse, repeat
 from kvtier.offload._fast import consume, first, pop_head, push_head, second
 from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies.base import CachePolicy, Victims
-from kvtier.offload.policies.recency import RecencyList
+from kvtier.offload.structures.recency_list import RecencyList
 from kvtier.types import BlockHash
 
 
@@ -43,6 +43,10 @@ class ARCCachePolicy(CachePolicy):
     @property
     def t2(self) -> RecencyList:
         return self._t2
+
+    def stored_keys(self) -> list[BlockHash]:
+        t1, t2 = self._t1, self._t2
+        return [*t1.order, *t1.parked, *t2.order, *t2.parked]
 
     def get(self, key: BlockHash) -> BlockStatus | None:
         block = self._t1.get(key)
@@ -125,10 +129,6 @@ class ARCCachePolicy(CachePolicy):
             (self._t1.order if block.ref_cnt < 0 else self._t2.order)[key] = block
             return True
         return self._t2.move_to_end(key) if key in self._t2.parked else False
-
-    def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
-        split = self.evict_split(n, protected)
-        return None if split is None else list(zip(*split, strict=True))
 
     def evict_split(
         self, n: int, protected: Set[BlockHash]

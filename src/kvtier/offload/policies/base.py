@@ -17,11 +17,12 @@ Victims = list[tuple[BlockHash, BlockStatus]]
 
 
 class CachePolicy(ABC):
-    """vLLM's `CachePolicy` contract, plus two optional hooks for speed.
+    """vLLM's `CachePolicy` contract, with victims as two lists, plus hooks for speed.
 
-    `evict(n, protected)` is atomic: exactly n victims (removed from the policy)
-    or None and no change. A victim always has `ref_cnt == 0` and is never in
-    `protected`. Keys passed to `touch` may be absent (ignored).
+    `evict_split(n, protected)` is atomic: exactly n victims (removed from the policy)
+    or None and no change; `evict` gives them as vLLM's pairs. A victim always has
+    `ref_cnt == 0` and is never in `protected`. Keys passed to `touch` may be absent
+    (ignored).
     """
 
     def __init__(self, cache_capacity: int) -> None:
@@ -63,22 +64,16 @@ class CachePolicy(ABC):
         """Record a use of `keys`, applied in REVERSE order (a prefix's head ends most recent)."""
 
     @abstractmethod
-    def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
-        """Exactly n victims in eviction order, removed from the policy; or None, no change."""
-
     def evict_split(
         self, n: int, protected: Set[BlockHash]
     ) -> tuple[list[BlockHash], list[BlockStatus]] | None:
-        """`evict` as (keys, blocks); override to skip building the pairs.
+        """Exactly n victims in eviction order, removed from the policy, as (keys, blocks);
+        or None and no change. The manager calls this: two lists cost less than pairs."""
 
-        The manager calls this one. A subclass that overrides only `evict` (below a
-        class that overrides both) is still honoured: the manager then uses this
-        default, which calls `evict`.
-        """
-        victims = self.evict(n, protected)
-        if victims is None:
-            return None
-        return [key for key, _ in victims], [block for _, block in victims]
+    def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
+        """`evict_split` as vLLM's (key, block) pairs."""
+        split = self.evict_split(n, protected)
+        return None if split is None else list(zip(*split, strict=True))
 
     def mark_evictable(self, keys: Sequence[BlockHash]) -> None:
         """Some of `keys` may just have dropped to `ref_cnt == 0` (loaded or stored).
@@ -87,6 +82,14 @@ class CachePolicy(ABC):
         scan order use it to put them back; a scanning policy ignores it.
         """
         return None
+
+    def stored_keys(self) -> list[BlockHash]:
+        """Every stored key, in no promised order: what a reset must forget (the manager
+        has no index of its own). A policy that cannot list them cannot be reset."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not list its keys (CachePolicy.stored_keys), so a "
+            "manager over it cannot reset; implement stored_keys() to allow reset_cache()"
+        )
 
     def ghost_sizes(self) -> tuple[int, ...]:
         """Sizes of the ghost lists, if the policy keeps any (for invariants and tests)."""

@@ -8,7 +8,7 @@ from itertools import filterfalse
 from kvtier.offload._fast import consume, first, pop_head, second
 from kvtier.offload.backend import BlockStatus
 from kvtier.offload.policies.base import CachePolicy, Victims
-from kvtier.offload.policies.recency import RecencyList
+from kvtier.offload.structures.recency_list import RecencyList
 from kvtier.types import BlockHash
 
 
@@ -26,6 +26,9 @@ class LRUCachePolicy(CachePolicy):
     def blocks(self) -> RecencyList:
         """vLLM's name for the one list (`len(policy.blocks)`, `h in policy.blocks`)."""
         return self._list
+
+    def stored_keys(self) -> list[BlockHash]:
+        return [*self._list.order, *self._list.parked]
 
     def get(self, key: BlockHash) -> BlockStatus | None:
         return self._list.get(key)
@@ -67,10 +70,6 @@ class LRUCachePolicy(CachePolicy):
                 move_to_end(key)
             elif lst.parked:
                 lst.move_to_end(key)
-
-    def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
-        split = self.evict_split(n, protected)
-        return None if split is None else list(zip(*split, strict=True))
 
     def evict_split(
         self, n: int, protected: Set[BlockHash]

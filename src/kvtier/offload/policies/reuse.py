@@ -3,10 +3,10 @@
 Why: on real chat traces most stored blocks are never used again (76% on the
 public Mooncake trace), so what matters most is which new blocks to let stay.
 Each block is scored by the clock at its last use plus a bonus for its class
-(`scored.py`): cold, first seen, seen twice, seen more, or first seen in a
-request that extends a chain already known. No single set of bonuses wins at
-every capacity and on every workload, so four settings (below) run side by side
-on small shadow caches that see a 1/16 sample of the hashes (fed in batches of
+(`kvtier.offload.structures.scored_lists`): cold, first seen, seen twice, seen
+more, or first seen in a request that extends a chain already known. No single set
+of bonuses wins at every capacity and on every workload, so four settings (below)
+run side by side on small shadow caches that see a 1/16 sample of the hashes (fed in batches of
 up to BATCH requests, one call per shadow, while a batch stays under a sixteenth
 of a shadow's capacity), and the cache follows whichever had the most decayed
 hits lately: set dueling. The first setting is LRU with leaf-first eviction, and
@@ -47,8 +47,8 @@ from operator import itemgetter
 
 from kvtier.offload._fast import consume
 from kvtier.offload.backend import BlockStatus
-from kvtier.offload.policies.base import CachePolicy, Victims
-from kvtier.offload.policies.scored import COLD, NEW, NEW_IN_CHAIN, ScoredLists, Weights
+from kvtier.offload.policies.base import CachePolicy
+from kvtier.offload.structures.scored_lists import COLD, NEW, NEW_IN_CHAIN, ScoredLists, Weights
 from kvtier.types import BlockHash
 
 # A bonus low enough to be evicted before anything that scored on recency.
@@ -136,6 +136,9 @@ class ReuseCachePolicy(CachePolicy):
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def stored_keys(self) -> list[BlockHash]:
+        return list(self._index)
 
     def get(self, key: BlockHash) -> BlockStatus | None:
         return self._index.get(key)
@@ -227,10 +230,6 @@ class ReuseCachePolicy(CachePolicy):
         if best != self.setting:
             self.setting = best
             self._main.set_weights(SETTINGS[best])
-
-    def evict(self, n: int, protected: Set[BlockHash]) -> Victims | None:
-        split = self.evict_split(n, protected)
-        return None if split is None else list(zip(*split, strict=True))
 
     def evict_split(
         self, n: int, protected: Set[BlockHash]

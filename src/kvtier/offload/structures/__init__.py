@@ -1,0 +1,1 @@
+"""Ordered structures the policies are built on (no policy decisions of their own)."""

@@ -1,0 +1,266 @@
+"""Many engines by replay: N replay stacks behind the router's own routing code.
+
+Each engine is what `kvtier replay` builds for one (`kvtier.sim.stack.build_stack`:
+its accelerator pool through the connector when `gpu_blocks` is set, its CPU tier,
+its disk tier), all of them optionally over one shared Redis namespace. Every
+request of the trace is routed by `kvtier.router.scoring.Chooser`, the class the
+HTTP router decides with, from what each engine holds right then: its pool's prefix
+cache, and the blocks its tiers' events say they hold (a block in Redis counts for
+every engine, as in the router's index). The requests are served one at a time (the
+tiers see them in arrival order, each done before the next); the router's load, its
+requests in flight, is what the replay's time model says would still be running at
+each arrival (`TimeModel`: the prefill of the tokens no tier served, then the decode),
+so that a hot prefix spreads over engines as it would under real traffic.
+
+Figures are per engine and in total; the bounds are those of one cache holding all
+the engines' capacity together, which N separate caches cannot beat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import heapq
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvtier.router.index import prefix_tiers_by
+from kvtier.router.scoring import Chooser, Weights
+from kvtier.router.tiers import Tier
+from kvtier.sim.bounds import Bounds, compute_bounds
+from kvtier.sim.bytes_plane import NoBytes
+from kvtier.sim.ledger import Ledger
+from kvtier.sim.metrics import TierCounters
+from kvtier.sim.replay_config import ReplayConfig, TimeModel
+from kvtier.sim.stack import TierStack, build_stack
+from kvtier.sim.step import ConnectorStep, OffloadStep, Step
+from kvtier.sim.workload import Workload
+from kvtier.types import BlockHash
+
+_TIER_OF_MEDIUM = {"cpu": Tier.CPU, "disk": Tier.DISK}
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    name: str
+    requests: int
+    block_refs: int  # of the requests routed here
+    prefix_hit_blocks: int
+    hit_tokens: int
+    prefill_tokens_saved: int
+    tier_hits: dict[str, int]  # blocks served by each tier
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_blocks / self.block_refs if self.block_refs else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "engine": self.name,
+            "requests": self.requests,
+            "block_refs": self.block_refs,
+            "prefix_hit_blocks": self.prefix_hit_blocks,
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "hit_tokens": self.hit_tokens,
+            "prefill_tokens_saved": self.prefill_tokens_saved,
+            "tier_hits": dict(self.tier_hits),
+        }
+
+
+@dataclass(frozen=True)
+class EnginesResult:
+    router: str
+    policy: str
+    engines: tuple[EngineFigures, ...]
+    assignment: tuple[str, ...]  # the engine of each request, in replay order ("" if dropped)
+    bounds: Bounds
+    block_refs: int
+    unschedulable: int
+    seconds: float
+
+    @property
+    def prefix_hit_blocks(self) -> int:
+        return sum(e.prefix_hit_blocks for e in self.engines)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_blocks / self.block_refs if self.block_refs else 0.0
+
+    @property
+    def prefill_tokens_saved(self) -> int:
+        return sum(e.prefill_tokens_saved for e in self.engines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "router": self.router,
+            "policy": self.policy,
+            "engines": [e.to_json() for e in self.engines],
+            "total": {
+                "requests": sum(e.requests for e in self.engines),
+                "block_refs": self.block_refs,
+                "prefix_hit_blocks": self.prefix_hit_blocks,
+                "prefix_hit_rate": self.prefix_hit_rate,
+                "prefill_tokens_saved": self.prefill_tokens_saved,
+                "unschedulable_requests": self.unschedulable,
+            },
+            "bounds": {
+                "total_blocks": self.bounds.capacity,
+                "infinite_prefix": self.bounds.infinite_prefix,
+                "belady": self.bounds.belady,
+                "assumptions": list(self.bounds.assumptions),
+            },
+            "seconds": self.seconds,
+        }
+
+
+@dataclass
+class _Engine:
+    name: str
+    stack: TierStack
+    ledger: Ledger
+    step: Step
+    in_pool: Callable[[BlockHash], bool]
+    requests: int = 0
+    block_refs: int = 0
+    running: list[float] = field(default_factory=list)  # a heap of end times (ms)
+
+    def in_flight(self, now: float) -> int:
+        while self.running and self.running[0] <= now:
+            heapq.heappop(self.running)
+        return len(self.running)
+
+
+def replay_engines(
+    workload: Workload,
+    config: ReplayConfig,
+    engines: int,
+    router: str = "kv",
+    weights: Weights | None = None,
+    time_model: TimeModel | None = None,
+) -> EnginesResult:
+    """Replay `workload` over `engines` stacks built from `config`, routed by `router`;
+    `time_model` (default `TimeModel()`) estimates the requests in flight."""
+    if engines < 1:
+        raise ValueError(f"engines must be >= 1, got {engines}")
+    if config.data or config.time_model is not None:
+        raise ValueError(
+            "a replay over several engines serves requests one at a time without bytes: "
+            "--engines takes neither --data nor --concurrent"
+        )
+    chooser = Chooser(router, weights)
+    timing = time_model or TimeModel()
+    shared = config
+    if config.redis_url is not None and config.redis_namespace is None:
+        shared = replace(config, redis_namespace=f"replay-{uuid.uuid4().hex}")
+    with contextlib.ExitStack() as closing:
+        fleet = [_engine(f"e{i}", workload, shared, closing) for i in range(engines)]
+        names = [e.name for e in fleet]
+        by_name = {e.name: e for e in fleet}
+        assignment: list[str] = []
+        unschedulable = 0
+        started = time.perf_counter()
+        for index in fleet[0].step.indexes():
+            hashes = workload.block_hashes[index]
+            request = workload.requests[index]
+            now = request.timestamp
+            prefix = functools.partial(_prefix, by_name, fleet, hashes)
+            load = functools.partial(_in_flight, by_name, now)
+            decision = chooser.choose(names, len(hashes), prefix, load)
+            engine = by_name[decision.engine]
+            pending = engine.step.admit(index)
+            if pending is None:
+                unschedulable += 1
+                assignment.append("")
+                continue
+            busy = timing.prefill_ms(pending.uncached_tokens, pending.loaded_blocks)
+            busy += timing.decode_ms(request.output_length)
+            heapq.heappush(engine.running, now + busy)
+            engine.step.loaded(pending)
+            engine.step.computed(pending)
+            engine.step.finished(pending)
+            engine.requests += 1
+            engine.block_refs += len(workload.block_ids[index])
+            assignment.append(engine.name)
+        seconds = time.perf_counter() - started
+        figures = tuple(_figures(e) for e in fleet)
+    capacity = engines * (config.gpu_blocks + config.cpu_capacity(workload) + config.disk_blocks)
+    if config.redis_url is not None:
+        capacity += workload.unique_blocks  # as one engine's bound counts Redis: unbounded
+    bounds = compute_bounds(workload, capacity, config.bound_assumptions())
+    return EnginesResult(
+        router, config.policy, figures, tuple(assignment), bounds, workload.block_refs,
+        unschedulable, seconds,
+    )  # fmt: skip
+
+
+def _engine(
+    name: str, workload: Workload, config: ReplayConfig, closing: contextlib.ExitStack
+) -> _Engine:
+    stack = build_stack(workload, config)
+    closing.callback(stack.close)
+    counters = stack.counters()
+    if config.gpu_blocks:
+        counters.insert(0, TierCounters("gpu", config.gpu_blocks, "lru"))
+    ledger = Ledger(workload, counters)
+    ledger.preloaded(stack.take_events())
+    step: Step
+    in_pool: Callable[[BlockHash], bool] = _nowhere
+    if config.gpu_blocks:
+        from kvtier.connector import OffloadConnector
+
+        longest = max((r.input_length + r.output_length for r in workload.requests), default=1)
+        connector = OffloadConnector.create(
+            stack.manager,
+            block_size=workload.block_size,
+            num_gpu_blocks=config.gpu_blocks,
+            max_model_len=longest + 1,
+            store_on=config.store_on,
+        )
+        step = ConnectorStep(workload, connector, stack, NoBytes(), ledger)
+        in_pool = connector.gpu.is_cached
+    else:
+        step = OffloadStep(workload, stack, NoBytes(), ledger)
+    return _Engine(name, stack, ledger, step, in_pool)
+
+
+def _nowhere(block_hash: BlockHash) -> bool:
+    return False
+
+
+def _in_flight(by_name: dict[str, _Engine], now: float, name: str) -> int:
+    return by_name[name].in_flight(now)
+
+
+def _prefix(
+    by_name: dict[str, _Engine], fleet: Sequence[_Engine], hashes: list[BlockHash], name: str
+) -> list[Tier]:
+    engine = by_name[name]
+    resident = engine.ledger.resident
+
+    def tier_of(h: BlockHash) -> Tier | None:
+        if engine.in_pool(h):
+            return Tier.GPU
+        for medium, tier in _TIER_OF_MEDIUM.items():
+            if h in resident.get(medium, ()):
+                return tier
+        if any(h in e.ledger.resident.get("remote", ()) for e in fleet):
+            return Tier.SHARED
+        return None
+
+    return prefix_tiers_by(hashes, tier_of)
+
+
+def _figures(engine: _Engine) -> EngineFigures:
+    ledger = engine.ledger
+    return EngineFigures(
+        engine.name,
+        engine.requests,
+        engine.block_refs,
+        ledger.prefix_hits,
+        ledger.hit_tokens,
+        ledger.prefill_tokens_saved,
+        {name: t.hit_blocks for name, t in ledger.tiers.items()},
+    )

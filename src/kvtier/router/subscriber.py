@@ -1,0 +1,148 @@
+"""One engine's KV-event stream into the index: vLLM's ZMQ publisher, subscribed.
+
+vLLM numbers its batches from 0 and keeps the last ones for replay on a ROUTER
+socket (`replay_endpoint`): a subscriber sends the first number it wants and gets
+every buffered batch from there, then an end marker (number -1). The subscriber
+applies batches in order, once each:
+
+- a gap in the numbers (a slow joiner, a full queue) is filled from the replay
+  socket when there is one, else counted as missed;
+- a number lower than expected means the engine restarted: what it held is gone,
+  its entries are dropped and the new stream is followed from its start;
+- `resync()` (the engine was taken out and is back, or the router just started)
+  drops the engine's entries and rebuilds them from the replay buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvtier.router.config import EngineSpec
+from kvtier.router.events import EventDecoder
+from kvtier.router.index import BlockIndex
+
+log = logging.getLogger(__name__)
+_END = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass
+class EventCounters:
+    batches: int = 0
+    events: int = 0
+    malformed: int = 0  # events (or whole batches) that did not decode
+    ignored: int = 0
+    missed: int = 0  # batches lost to a gap no replay filled
+    replayed: int = 0
+    restarts: int = 0
+
+
+class EventSubscriber:
+    def __init__(
+        self,
+        spec: EngineSpec,
+        index: BlockIndex,
+        ctx: zmq.asyncio.Context,
+        replay_timeout_s: float = 2.0,
+    ) -> None:
+        if spec.events is None:
+            raise ValueError(f"engine {spec.name} has no events endpoint")
+        self.spec, self.index = spec, index
+        self.counters = EventCounters()
+        self._ctx = ctx
+        self._decoder = EventDecoder()
+        self._expected: int | None = None
+        self._resync = True  # at start: whatever the engine holds already
+        self._replay_timeout_s = replay_timeout_s
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        if spec.bind_events:
+            self._sub.bind(spec.events)
+        else:
+            self._sub.connect(spec.events)
+
+    def resync(self) -> None:
+        self._resync = True
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+
+    async def run(self) -> None:
+        while True:
+            if self._resync:
+                self._resync = False
+                self.index.drop_engine(self.spec.name)
+                self._expected = None
+                if self.spec.replay is not None:
+                    await self._replay(0)
+            if not await self._sub.poll(100):
+                continue
+            frames = await self._sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.counters.malformed += 1
+                continue
+            _topic, seq_bytes, payload = frames
+            await self._receive(int.from_bytes(seq_bytes, "big"), payload)
+
+    async def _receive(self, seq: int, payload: bytes) -> None:
+        """A live batch: fill what is missing before it, then apply it."""
+        replay = self.spec.replay is not None
+        expected = self._expected
+        if expected is not None and seq < expected:
+            log.info(
+                "engine %s restarted its KV events (batch %d, expected %d)",
+                self.spec.name,
+                seq,
+                expected,
+            )
+            self.counters.restarts += 1
+            self.index.drop_engine(self.spec.name)
+            self._expected = expected = None
+        if replay and seq > (expected or 0):
+            await self._replay(expected or 0)
+        if self._expected is not None and seq < self._expected:
+            return  # the replay brought it
+        if self._expected is not None and seq > self._expected:
+            self.counters.missed += seq - self._expected
+        self._apply(seq, payload)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self._expected = seq + 1
+        self.counters.batches += 1
+        try:
+            batch = self._decoder.decode(payload)
+        except (msgspec.DecodeError, ValueError):
+            self.counters.malformed += 1
+            return
+        self.counters.malformed += batch.malformed
+        self.counters.ignored += batch.ignored
+        self.counters.events += len(batch.events)
+        for event in batch.events:
+            self.index.apply(self.spec.name, event)
+
+    async def _replay(self, start: int) -> None:
+        """Apply the publisher's buffered batches numbered `start` and on."""
+        assert self.spec.replay is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.spec.replay)
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            while await sock.poll(int(self._replay_timeout_s * 1000)):
+                frames = await sock.recv_multipart()
+                if len(frames) != 4 or frames[2] == _END:
+                    return
+                _empty, _topic, seq_bytes, payload = frames
+                seq = int.from_bytes(seq_bytes, "big")
+                if self._expected is None or seq >= self._expected:
+                    self.counters.replayed += 1
+                    self._apply(seq, payload)
+            log.warning("engine %s: no end to the KV events replay", self.spec.name)
+        finally:
+            sock.close(linger=0)

@@ -1,0 +1,142 @@
+"""What an engine's shape (parallelism, KV-cache groups) means for kvtier's blocks.
+
+Each worker of a tensor-parallel engine holds its own shard of every block (its KV
+heads), and moves it to and from its own tiers: the bytes of one rank's shard are
+meaningless to another rank, to an engine of another parallel layout, and to another
+group layout. So the layout a worker stores under names all of that (`identity`),
+and its fingerprint namespaces the rank's disk directory and Redis keys: a
+one-worker engine and a two-worker engine never read each other's blocks; two
+engines of the same layout share them.
+
+Hybrid models: vLLM makes one KV-cache group per set of layers of one attention kind
+(full, sliding window) and lays the i-th layer of every group over one shared tensor,
+so a block id names the same rows of the same tensors whatever its group. One block
+of any group is thus the engine's tensors' rows for that id, and the only thing the
+group changes is the block's key: vLLM's offload keys, a block hash and the group's
+index. Which blocks of a sliding-window group to store and load (the window's) is
+decided by vLLM's scheduler.
+
+Mamba (state-space) groups have a state per request rather than per block, and a
+block size of their own: refused at start (see `check_engine` and KvtierConnector).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvtier.connector.tier_config import TierConfig
+from kvtier.store.diskdir import list_blocks
+from kvtier.store.layout import KVLayout
+from kvtier.types import BlockHash
+
+
+def identity(config: OffloadingConfig, rank: int) -> dict[str, Any]:
+    """Everything that makes two engines' shards interchangeable (JSON-safe): the
+    fields vLLM's own file-system tier names its directories with, and the rank."""
+    parallel = config.parallel
+    return {
+        "model": config.model.name,
+        "dtype": config.model.dtype,
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "tp": parallel.tp_size,
+        "pp": parallel.pp_size,
+        "pcp": parallel.pcp_size,
+        "dcp": parallel.dcp_size,
+        "world_size": parallel.world_size,
+        "rank": rank,
+        "groups": [[g.tokens_per_block, list(g.layer_names)] for g in config.groups],
+    }
+
+
+def layout_for(config: OffloadingConfig, rank: int | None = None) -> KVLayout:
+    """The block layout of one worker's shard (`rank`, default this config's), derived
+    from vLLM's config alone so that the scheduler and the workers agree on it.
+
+    Only bytes matter to the data plane, so the geometry is stated in bytes (one
+    "head" of `segment_bytes / tokens` bytes), one "layer" per KV tensor the engine
+    has (the most layers of any group: the groups' layers share those tensors).
+    """
+    rank = config.parallel.rank if rank is None else rank
+    num_layers = max(len(group.layer_names) for group in config.groups)
+    tokens = config.groups[0].tokens_per_block
+    per_block = config.worker_kv_bytes_per_block
+    if num_layers < 1 or per_block % (2 * num_layers * tokens):
+        raise ValueError(
+            f"cannot cut {per_block} KV bytes per block into K and V planes of "
+            f"{num_layers} layers x {tokens} tokens"
+        )
+    return KVLayout(
+        num_layers=num_layers,
+        num_kv_heads=1,
+        head_size=per_block // (2 * num_layers * tokens),
+        block_size=tokens,
+        dtype="uint8",
+        model_id="vllm:" + json.dumps(identity(config, rank), sort_keys=True),
+    )
+
+
+def shard_root(disk_path: str, config: OffloadingConfig, rank: int | None = None) -> Path:
+    """The disk root of one rank's shards: `disk_path` for a one-worker engine, a
+    directory per rank below it otherwise (each rank's DiskStore owns its root)."""
+    parallel = config.parallel
+    if parallel.world_size == 1:
+        return Path(disk_path)
+    rank = parallel.rank if rank is None else rank
+    return Path(disk_path) / f"rank{rank}-of-{parallel.world_size}"
+
+
+def check_engine(config: OffloadingConfig, cfg: TierConfig, kvtier_connector: bool) -> None:
+    """Refuse engine shapes the spec does not serve, naming the setting to change."""
+    if config.cache.blocks_per_chunk != 1:
+        raise ValueError(
+            f"KvtierOffloadingSpec offloads whole engine blocks: drop 'block_size' / "
+            f"'blocks_per_chunk' from kv_connector_extra_config (blocks_per_chunk is "
+            f"{config.cache.blocks_per_chunk})"
+        )
+    sizes = sorted({group.tokens_per_block for group in config.groups})
+    if len(sizes) != 1:
+        raise ValueError(
+            f"KvtierOffloadingSpec needs one block size for every KV-cache group; this "
+            f"engine's groups have {sizes} tokens per block (a state-space/Mamba group "
+            f"or a mixed-size hybrid model is not supported)"
+        )
+    parallel = config.parallel
+    if parallel.pp_size != 1:
+        raise ValueError(
+            f"KvtierOffloadingSpec does not run under pipeline parallelism "
+            f"(pipeline_parallel_size is {parallel.pp_size}): stages hold different "
+            f"layers, and the scheduler side sees only the first stage's (vLLM 0.32's CPU "
+            f"build fails a pipeline-parallel engine's first request even without a "
+            f"connector, so this was never run); use tensor parallelism"
+        )
+    if parallel.pcp_size != 1 or parallel.dcp_size != 1:
+        raise ValueError(
+            f"KvtierOffloadingSpec does not run under context parallelism "
+            f"(prefill {parallel.pcp_size}, decode {parallel.dcp_size}): a worker's shard "
+            f"would be part of a block's tokens, not of its heads; use tensor parallelism"
+        )
+    if not kvtier_connector and (cfg.has_disk or cfg.has_redis or cfg.cpu_checksums):
+        raise ValueError(
+            'disk_path, redis_url and cpu_checksums need "kv_connector": "KvtierConnector" '
+            'with "kv_connector_module_path": "kvtier.vllm": vLLM\'s own OffloadingConnector '
+            "asserts that every transfer succeeds, so a failed disk or Redis load would stop "
+            "the engine instead of being recomputed"
+        )
+
+
+def recovered_on_every_rank(
+    disk_path: str, config: OffloadingConfig
+) -> tuple[list[BlockHash], list[BlockHash]]:
+    """The blocks whose shard every rank recovered (rank 0's order: oldest first), and
+    the shards of blocks some rank lacks (to delete: no rank will ever load them)."""
+    listings = [
+        list_blocks(shard_root(disk_path, config, rank), layout_for(config, rank))
+        for rank in range(config.parallel.world_size)
+    ]
+    whole = set(listings[0]).intersection(*listings[1:])
+    partial = sorted(set().union(*listings) - whole)
+    return [h for h in listings[0] if h in whole], partial

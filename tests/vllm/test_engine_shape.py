@@ -1,0 +1,340 @@
+"""KvtierOffloadingSpec under tensor parallelism and with several KV-cache groups, in
+process: one scheduler-side manager and one worker per rank, each rank with device
+blocks of its own bytes (its shard), driven as vLLM's connector drives them (a job is
+done when every rank finished it; the ranks' reports and load errors are summed).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.remote.conftest import serve_redis
+from tests.vllm.needs_vllm import quiet, require_vllm
+from tests.vllm.offloading_config import offloading_config
+
+require_vllm()
+
+with quiet():
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        LookupResult,
+        ReqContext,
+        make_offload_key,
+    )
+
+    from kvtier.remote.codec import BlockCodec
+    from kvtier.vllm.connector import check_layer_types, worker_meta
+    from kvtier.vllm.engine_shape import layout_for, shard_root
+    from kvtier.vllm.spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
+    from kvtier.vllm.specs import WorkerReport
+
+LAYERS, TOKENS, PAGE = 2, 32, 2048
+DEVICE_BLOCKS = 16
+BLOCK_BYTES = LAYERS * PAGE
+_engine_ids = itertools.count()
+
+
+def config(extra: dict[str, Any], *, tp: int = 1, rank: int = 0, **shape: Any) -> Any:
+    extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm"} | extra
+    return offloading_config(
+        extra, kv_bytes_per_block=BLOCK_BYTES, num_layers=LAYERS, tp=tp, rank=rank, **shape
+    )
+
+
+class ParallelEngine:
+    """One engine of `tp` workers (and `groups` KV-cache groups) sharing one manager."""
+
+    def __init__(self, extra: dict[str, Any], tp: int = 2, groups: int = 1) -> None:
+        engine_id = f"shape-test-{next(_engine_ids)}"
+        token = UNDER_KVTIER_CONNECTOR.set(True)
+        try:
+            specs = [
+                KvtierOffloadingSpec(
+                    config(extra, tp=tp, rank=r, groups=groups, engine_id=engine_id)
+                )
+                for r in range(tp)
+            ]
+            scheduler_spec = KvtierOffloadingSpec(
+                config(extra, tp=tp, groups=groups, engine_id=engine_id)
+            )
+        finally:
+            UNDER_KVTIER_CONNECTOR.reset(token)
+        self.pages = [
+            [torch.zeros(DEVICE_BLOCKS, PAGE, dtype=torch.int8) for _ in range(LAYERS)]
+            for _ in range(tp)
+        ]
+        refs = [CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]
+        self.workers = [
+            spec.get_worker(
+                CanonicalKVCaches([CanonicalKVCacheTensor(t, PAGE) for t in pages], [refs] * groups)
+            )
+            for spec, pages in zip(specs, self.pages, strict=True)
+        ]
+        self.manager = scheduler_spec.get_manager()  # after the workers opened their disks
+        self.jobs = itertools.count()
+        self.ctx = ReqContext(req_id="r")
+
+    def compute(self, device_ids: list[int], seed: int) -> list[dict[int, bytes]]:
+        """Each rank's shard of these blocks: different bytes per rank."""
+        for rank, pages in enumerate(self.pages):
+            rng = np.random.default_rng([seed, rank])
+            for page in pages:
+                for i in device_ids:
+                    page[i] = torch.from_numpy(rng.integers(-128, 128, PAGE, dtype=np.int8))
+        return [{i: self.shard(rank, i) for i in device_ids} for rank in range(len(self.pages))]
+
+    def shard(self, rank: int, device_id: int) -> bytes:
+        return b"".join(page[device_id].numpy().tobytes() for page in self.pages[rank])
+
+    def _run(self, job: int) -> tuple[set[int], WorkerReport]:
+        """Every rank's result of a job, summed as vLLM and KvtierConnector sum them."""
+        merged: Any = None
+        errors: set[int] = set()
+        for worker in self.workers:
+            worker.wait({job})
+            (result,) = [r for r in worker.get_finished() if r.job_id == job]
+            assert result.success  # under KvtierConnector failures go to the report
+            errors |= worker.take_load_errors()
+            done = OffloadingWorkerMetadata()
+            done.mark_completed(job)
+            meta = worker_meta(done, worker.take_report())
+            merged = meta if merged is None else merged.aggregate(meta)
+        assert merged.completed_jobs == {job: len(self.workers)}
+        if merged.report:
+            self.manager.apply_worker_report(merged.report)
+        report: WorkerReport = merged.report
+        return errors, report
+
+    def store(self, keys: list[bytes], device_ids: list[int]) -> WorkerReport:
+        out = self.manager.prepare_store(keys, self.ctx)
+        assert out is not None
+        ids = [device_ids[keys.index(k)] for k in out.keys_to_store]
+        job = next(self.jobs)
+        for worker in self.workers:
+            worker.submit_store(job, GPULoadStoreSpec(ids, [len(ids)], [0]), out.store_spec)
+        _, report = self._run(job)
+        self.manager.complete_store(out.keys_to_store, self.ctx)
+        return report
+
+    def hits(self, keys: list[bytes]) -> list[bool]:
+        return [self.manager.lookup(k, self.ctx) is LookupResult.HIT for k in keys]
+
+    def load(self, keys: list[bytes], device_ids: list[int]) -> tuple[set[int], WorkerReport]:
+        spec = self.manager.prepare_load(keys, self.ctx)
+        job = next(self.jobs)
+        for worker in self.workers:
+            worker.submit_load(job, spec, GPULoadStoreSpec(device_ids, [len(device_ids)], [0]))
+        errors, report = self._run(job)
+        self.manager.complete_load(set(keys), self.ctx)
+        return errors, report
+
+    def close(self) -> None:
+        self.manager.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
+
+
+def keys_of(n: int, group: int = 0) -> list[bytes]:
+    return [make_offload_key(i.to_bytes(32, "big"), group) for i in range(n)]
+
+
+@pytest.fixture
+def engines() -> Iterator[list[ParallelEngine]]:
+    made: list[ParallelEngine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def test_each_worker_moves_its_own_shard(engines: list[ParallelEngine], tmp_path: Path) -> None:
+    extra = {
+        "cpu_bytes_to_use": 2 * BLOCK_BYTES,  # two blocks: the rest are demoted to disk
+        "disk_path": str(tmp_path),
+        "disk_bytes_to_use": 1 << 20,
+        "disk_fsync": False,
+    }
+    engine = ParallelEngine(extra)
+    engines.append(engine)
+    keys = keys_of(4)
+    data = engine.compute([0, 1, 2, 3], seed=1)
+    assert data[0][0] != data[1][0]
+    for key, device_id in zip(keys, range(4), strict=True):
+        assert not engine.store([key], [device_id])
+    engine.compute([0, 1, 2, 3], seed=2)  # the device blocks are reused
+    assert engine.hits(keys) == [True] * 4
+    errors, report = engine.load(keys, [8, 9, 10, 11])  # from disk (two) and CPU (two)
+    assert not errors and not report
+    for rank in (0, 1):
+        assert [engine.shard(rank, i) for i in (8, 9, 10, 11)] == list(data[rank].values())
+    for rank in (0, 1):  # each rank's shards in a directory of its own
+        assert len(list((tmp_path / f"rank{rank}-of-2").glob("kvtier-*/*.kv"))) >= 2
+
+
+def _files(tmp_path: Path, rank: int, key: bytes) -> list[Path]:
+    return list((tmp_path / f"rank{rank}-of-2").glob(f"kvtier-*/{key[:-4].hex()}*"))
+
+
+def test_a_block_counts_only_when_every_rank_has_its_shard(
+    engines: list[ParallelEngine], tmp_path: Path
+) -> None:
+    extra = {
+        "cpu_bytes_to_use": 8 * BLOCK_BYTES,
+        "disk_path": str(tmp_path),
+        "disk_bytes_to_use": 1 << 20,
+        "disk_writes": "write_through",
+    }
+    first = ParallelEngine(extra)
+    keys = keys_of(4)
+    data = first.compute([0, 1, 2, 3], seed=3)
+    first.store(keys, [0, 1, 2, 3])
+    first.close()
+    # rank 1's shard of block 0 is lost while the engine is down
+    (lost,) = _files(tmp_path, 1, keys[0])
+    lost.unlink()
+
+    second = ParallelEngine(extra)  # restarts on the same directories
+    engines.append(second)
+    assert second.hits(keys) == [False, True, True, True]  # block 0 is in no tier
+    assert _files(tmp_path, 0, keys[0])  # rank 0's orphan goes with the next job
+    second.store(keys_of(6)[4:], [4, 5])
+    assert not _files(tmp_path, 0, keys[0])
+
+    # a corrupt shard on rank 1 only: the load fails on every rank, vLLM recomputes
+    (victim,) = _files(tmp_path, 1, keys[1])
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    errors, report = second.load(keys[1:], [8, 9, 10])
+    assert errors == {8, 9, 10}  # rank 1's failed part: vLLM recomputes them on all ranks
+    assert report.corrupt_blocks == [keys[1][:-4]]
+    assert second.hits(keys[1:]) == [False, True, True]  # forgotten on every rank
+    errors, report = second.load(keys[2:], [9, 10])  # the intact blocks still serve
+    assert not errors and not report
+    for rank in (0, 1):
+        assert [second.shard(rank, i) for i in (9, 10)] == [data[rank][2], data[rank][3]]
+    second.store(keys_of(7)[6:], [6])
+    assert not _files(tmp_path, 0, keys[1])  # rank 0's intact shard is deleted too
+
+
+def test_redis_offers_a_block_only_when_every_rank_holds_its_shard(
+    engines: list[ParallelEngine], tmp_path: Path
+) -> None:
+    servers = serve_redis(tmp_path)
+    server = next(servers)
+    try:
+        extra = {"cpu_bytes_to_use": 2 * BLOCK_BYTES, "redis_url": server.url}
+        writer = ParallelEngine(extra)
+        engines.append(writer)
+        keys = keys_of(3)
+        data = writer.compute([0, 1, 2], seed=8)
+        writer.store(keys, [0, 1, 2])
+        # Redis loses rank 1's shard of block 1 (evicted, or its store timed out)
+        rank1 = layout_for(config(extra, tp=2, rank=1)).fingerprint
+        namespace = BlockCodec.for_fingerprint(rank1).fp_digest[:8].hex().encode()
+        client = server.client()
+        (lost,) = [
+            k for k in client.keys("*") if namespace in k and keys[1][:-4].hex().encode() in k
+        ]
+        client.delete(lost)
+        client.close()
+
+        reader = ParallelEngine(extra | {"cpu_bytes_to_use": 8 * BLOCK_BYTES})
+        engines.append(reader)
+        reader.hits(keys)  # asks every rank's keys, asynchronously
+        assert reader.manager.remote.wait_lookups(timeout=30)
+        assert reader.hits(keys) == [True, False, True]  # block 1 is in no tier
+        errors, report = reader.load(keys[:1], [8])
+        assert not errors and not report
+        assert [reader.shard(rank, 8) for rank in (0, 1)] == [data[0][0], data[1][0]]
+    finally:
+        next(servers, None)
+
+
+def test_shards_are_named_by_rank_parallel_layout_and_groups(tmp_path: Path) -> None:
+    one = layout_for(config({}))
+    rank0, rank1 = (layout_for(config({}, tp=2, rank=r)) for r in (0, 1))
+    hybrid = layout_for(config({}, groups=2))
+    fingerprints = {x.fingerprint for x in (one, rank0, rank1, hybrid)}
+    assert len(fingerprints) == 4  # no two of them ever read each other's blocks
+    again = layout_for(config({}, tp=2, rank=1, engine_id="another-engine"))
+    assert again.fingerprint == rank1.fingerprint  # another engine of that layout shares
+    assert shard_root(str(tmp_path), config({})) == tmp_path
+    assert shard_root(str(tmp_path), config({}, tp=2, rank=1)) == tmp_path / "rank1-of-2"
+
+
+def test_every_kv_cache_group_has_blocks_of_its_own(engines: list[ParallelEngine]) -> None:
+    engine = ParallelEngine({"cpu_bytes_to_use": 8 * BLOCK_BYTES}, tp=1, groups=2)
+    engines.append(engine)
+    full, window = keys_of(3, group=0), keys_of(3, group=1)  # the same hashes
+    data = engine.compute([0, 1, 2, 3, 4, 5], seed=5)[0]
+    keys = full + window[1:]  # a sliding-window group: only the window's blocks
+    assert not engine.store(keys, [0, 1, 2, 4, 5])
+    assert engine.hits(window) == [False, True, True]
+    engine.compute([0, 1, 2, 3, 4, 5], seed=6)
+    errors, report = engine.load(full + window[1:], [8, 9, 10, 11, 12])
+    assert not errors and not report
+    assert [engine.shard(0, i) for i in (8, 9, 10, 11, 12)] == [data[i] for i in (0, 1, 2, 4, 5)]
+
+
+def test_every_rank_report_reaches_the_scheduler() -> None:
+    """vLLM sums the workers' metadata with the first one's `aggregate`."""
+    corrupt = WorkerReport(corrupt_blocks=[b"h" * 32])
+    rank0 = worker_meta(OffloadingWorkerMetadata({3: 1}), WorkerReport())
+    rank1 = worker_meta(OffloadingWorkerMetadata({3: 1}), corrupt)
+    merged = rank0.aggregate(rank1)
+    assert merged.completed_jobs == {3: 2}
+    assert merged.report.corrupt_blocks == corrupt.corrupt_blocks
+
+
+def test_pipeline_parallelism_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match=r"pipeline parallelism .* stages hold different"):
+        KvtierOffloadingSpec(config({"cpu_bytes_to_use": 1 << 20}, pp=2))
+
+
+def test_mamba_layers_are_refused_by_name() -> None:
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    spec = object.__new__(MambaSpec)  # only its type is looked at
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=["model.layers.0.mixer"])
+    with pytest.raises(ValueError, match=r"MambaSpec layers .*model\.layers\.0\.mixer"):
+        check_layer_types(SimpleNamespace(kv_cache_groups=[group]))
+
+
+class _SlowAnswers:
+    """An asynchronous lookup as kvtier's Redis tier does it: the first question starts
+    it (None), the answer is handed out once, `calls` questions later; then it restarts."""
+
+    def __init__(self, answer: int, calls: int) -> None:
+        self.answer, self.calls, self.asked = answer, calls, 0
+
+    def lookup(self, block_hashes: Any) -> int | None:
+        self.asked += 1
+        if self.asked <= self.calls:
+            return None
+        self.asked = 0
+        return self.answer
+
+
+def test_every_shard_lookup_keeps_answers_until_all_are_in() -> None:
+    """Workers whose answers come in on different steps: asking all of them again each
+    time would alternate forever (each answer is handed out once)."""
+    from kvtier.vllm.shard_lookup import EveryShardLookup
+
+    lookup = EveryShardLookup(_SlowAnswers(3, 1), [_SlowAnswers(2, 2)])  # type: ignore[list-item,arg-type]
+    answers = [lookup.lookup([b"k" * 32]) for _ in range(3)]
+    assert answers == [None, None, 2]  # the shorter prefix, once both are in

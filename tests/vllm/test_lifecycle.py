@@ -1,0 +1,143 @@
+"""A reset forgets and a restart remembers: kvtier's spec as vLLM drives it, no engine.
+
+The scheduler side and the worker are built as `KvtierConnector` builds them (see
+`test_offloading_spec.Engine`); vLLM's `reset_prefix_cache(reset_connector=True)`
+reaches kvtier as `reset_cache()` on the scheduler side's manager.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.remote.conftest import RedisServer, serve_redis
+from tests.vllm.test_offloading_spec import BLOCK_BYTES, Engine, engines, keys_of
+
+with_engines = engines  # the fixture, under this module's name too
+
+from vllm.v1.kv_offload.base import LookupResult, Medium  # noqa: E402
+
+
+def block_files(path: Path) -> list[Path]:
+    return sorted(path.glob("kvtier-*/*.kv"))
+
+
+def test_a_reset_forgets_every_tier_and_reports_the_removals(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    server_cm = serve_redis(tmp_path)
+    server: RedisServer = next(server_cm)
+    try:
+        extra = {
+            "cpu_bytes_to_use": 2 * BLOCK_BYTES,
+            "disk_path": str(tmp_path / "disk"),
+            "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
+            "disk_writes": "demote",
+            "redis_url": server.url,
+        }
+        engine = Engine(extra, events=True)
+        peer = Engine({"cpu_bytes_to_use": 2 * BLOCK_BYTES, "redis_url": server.url})
+        engines += [engine, peer]
+        keys = keys_of(5)
+        engine.compute(list(range(5)), seed=1)
+        for i, key in enumerate(keys):  # one by one: the CPU tier demotes to disk
+            engine.store([key], [i])
+        assert engine.hits(keys) == 5 and block_files(tmp_path / "disk")
+        list(engine.manager.take_events())
+
+        engine.manager.reset_cache()
+
+        assert not block_files(tmp_path / "disk")  # deleted before reset_cache returned
+        for key in keys:  # Redis included: its keys of before are never read again
+            found = engine.manager.lookup(key, engine.ctx)
+            if found is LookupResult.RETRY:
+                assert engine.manager.remote.wait_lookups(timeout=30)
+                found = engine.manager.lookup(key, engine.ctx)
+            assert found is LookupResult.MISS
+        removed = [e for e in engine.manager.take_events() if e.removed]
+        assert {e.medium for e in removed} == {Medium.CPU, Medium.STORAGE}
+        assert {k for e in removed for k in e.keys} == set(keys)
+
+        # the tiers work after it: new bytes stored, loaded back exactly
+        data = engine.compute([6, 7], seed=2)
+        fresh = keys_of(2, start=50)
+        engine.store(fresh, [6, 7])
+        assert engine.hits(fresh) == 2
+
+        def peer_finds(key: bytes) -> LookupResult:
+            assert peer.manager.lookup(key, peer.ctx) is LookupResult.RETRY
+            assert peer.manager.remote.wait_lookups(timeout=30)
+            return peer.manager.lookup(key, peer.ctx)
+
+        # written in the new epoch: a peer that did not reset misses it, and still
+        # shares the old one; after its own first reset it shares the new one
+        assert peer_finds(fresh[0]) is LookupResult.MISS
+        assert peer_finds(keys[0]) is LookupResult.HIT
+        peer.manager.reset_cache()
+        assert peer_finds(fresh[0]) is LookupResult.HIT
+        engine.compute(list(range(16)), seed=3)
+        errors, report = engine.load(fresh, [0, 1])
+        assert not errors and not report
+        assert [engine.block_bytes(i) for i in (0, 1)] == [data[6], data[7]]
+    finally:
+        next(server_cm, None)
+
+
+def shut_down(engine: Engine) -> None:
+    """As vLLM's engine core does: the worker (executor) first, then the scheduler."""
+    engine.worker.shutdown()
+    engine.manager.shutdown()
+
+
+def test_a_clean_shutdown_keeps_the_cpu_tier_on_disk_for_a_restart(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    extra = {
+        "cpu_bytes_to_use": 4 * BLOCK_BYTES,
+        "disk_path": str(tmp_path),
+        "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
+        "disk_writes": "demote",  # the CPU tier reaches disk only when it evicts
+    }
+    first = Engine(extra)
+    keys = keys_of(6)
+    data = first.compute(list(range(6)), seed=3)
+    for i, key in enumerate(keys):  # the first two are demoted, the last four stay in CPU
+        first.store([key], [i])
+    assert len(block_files(tmp_path)) == 2
+    shut_down(first)
+    assert len(block_files(tmp_path)) == 6  # the CPU tier's four were flushed
+
+    second = Engine(extra)
+    assert second.hits(keys) == 6
+    errors, report = second.load(keys, list(range(10, 16)))
+    assert not errors and not report
+    assert [second.block_bytes(i) for i in range(10, 16)] == list(data.values())
+
+    # a reset, then a shutdown before any job: nothing of before the reset survives
+    second.manager.reset_cache()
+    shut_down(second)
+    assert not block_files(tmp_path)
+    third = Engine(extra)
+    engines.append(third)
+    assert third.hits(keys) == 0
+
+
+def test_a_flush_writes_only_what_the_cpu_tier_holds_after_a_reset(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    extra = {
+        "cpu_bytes_to_use": 4 * BLOCK_BYTES,
+        "disk_path": str(tmp_path),
+        "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
+        "disk_writes": "demote",
+    }
+    engine = Engine(extra)
+    old, new = keys_of(3), keys_of(1, start=10)
+    engine.compute([0, 1, 2, 3], seed=4)
+    engine.store(old, [0, 1, 2])
+    engine.manager.reset_cache()
+    engine.store(new, [3])  # the job of the new epoch: the worker forgets the old slots
+    assert engine.worker.flush_to_disk() == 1
+    shut_down(engine)
+    restarted = Engine(extra)
+    engines.append(restarted)
+    assert restarted.hits(new) == 1 and restarted.hits(old) == 0

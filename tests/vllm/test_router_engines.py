@@ -1,0 +1,149 @@
+"""The router in front of two real vLLM OpenAI servers (CPU build, the tiny model,
+kvtier's CPU tier, KV events over ZMQ): multi-turn conversations sent one request at
+a time, through round-robin and through the KV-aware router, then once more with an
+engine killed mid-run.
+
+The two servers start once and serve every case (a start is 20-90 s here); each case
+talks about its own conversations (different words), so no case finds another's
+blocks. The run is shared between workers like the other engine scenarios.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvtier.router import Router, RouterConfig, router_thread
+from kvtier.router.replay import replay_engines
+from kvtier.sim import ReplayConfig
+from kvtier.sim.traces import read_tokens
+from kvtier.sim.workload import Workload
+from kvtier.vllm.engines import TINY
+from tests.vllm.conftest import EngineRuns, _locked
+from tests.vllm.openai_servers import BLOCK, POOL_BLOCKS, chat_model, openai_servers
+from tests.vllm.router_workload import MAX_TOKENS, Turn, play, user_messages
+
+CONVERSATIONS, TURNS, WORDS = 5, 3, 100  # an odd count: round-robin alternates engines
+KILL_BEFORE = CONVERSATIONS + 2  # the third request of the second turns
+
+
+@dataclass(frozen=True)
+class RouterScenario:
+    round_robin: tuple[Turn, ...]
+    kv: tuple[Turn, ...]
+    kv_prompts: tuple[tuple[int, ...], ...]  # the KV run's prompts as the router hashed them
+    killed: tuple[Turn, ...]
+    killed_taken_out: int  # times the router took the killed engine out
+    killed_retries: int
+
+
+@pytest.fixture(scope="session")
+def router_scenario(engine_runs: EngineRuns, tiny_model: Path) -> RouterScenario:
+    cached = engine_runs.root / "router-scenario.pickle"
+    with _locked(engine_runs.root / "router-scenario.lock"):
+        if cached.exists():
+            result: RouterScenario = pickle.loads(cached.read_bytes())
+            return result
+        with warnings.catch_warnings():  # transformers' and vLLM's, in the router's thread
+            warnings.simplefilter("ignore")
+            result = _play(tiny_model, engine_runs.root / "router-scenario")
+        cached.write_bytes(pickle.dumps(result))
+        return result
+
+
+def _play(source: Path, workdir: Path) -> RouterScenario:
+    model = chat_model(source, workdir / "model")
+    with openai_servers(model, workdir / "servers") as servers:
+        specs = tuple(s.spec() for s in servers)
+
+        def router(policy: str) -> Router:
+            # a loaded 2-core machine can keep a server's /health waiting for seconds
+            config = RouterConfig(specs, BLOCK, str(model), policy=policy, health_timeout_s=10)
+            return Router(config, keep_decisions=1000)
+
+        def run(policy: str, seed: int, **kw: object) -> tuple[list[Turn], Router]:
+            r = router(policy)
+            with router_thread(r) as port:
+                messages = user_messages(CONVERSATIONS, TURNS, WORDS, TINY.vocab, seed)
+                return play(f"http://127.0.0.1:{port}", messages, **kw), r  # type: ignore[arg-type]
+
+        rr, _ = run("round-robin", 1)
+        kv, kv_router = run("kv", 2)
+
+        def kill(k: int) -> None:
+            if k == KILL_BEFORE:
+                servers[1].kill()
+
+        killed, killed_router = run("kv", 3, before=kill)
+        state = killed_router.engines["e1"]
+        return RouterScenario(
+            tuple(rr),
+            tuple(kv),
+            tuple(d.tokens for d in kv_router.decisions),
+            tuple(killed),
+            state.taken_out,
+            killed_router.counters.retries,
+        )
+
+
+def _cached(turns: tuple[Turn, ...]) -> int:
+    return sum(t.cached_tokens for t in turns)
+
+
+def test_every_request_is_answered(router_scenario: RouterScenario) -> None:
+    for turns in (router_scenario.round_robin, router_scenario.kv, router_scenario.killed):
+        assert [t.status for t in turns] == [200] * CONVERSATIONS * TURNS
+
+
+def test_kv_routing_caches_at_least_1_8x_round_robin(router_scenario: RouterScenario) -> None:
+    kv, rr = _cached(router_scenario.kv), _cached(router_scenario.round_robin)
+    assert kv >= 1.8 * rr > 0, (kv, rr)
+
+
+def test_every_returning_turn_goes_to_the_engine_that_holds_it(
+    router_scenario: RouterScenario,
+) -> None:
+    by_turn = {(t.conversation, t.turn): t for t in router_scenario.kv}
+    for (c, t), turn in by_turn.items():
+        if t == 0:
+            continue
+        assert turn.engine == by_turn[(c, t - 1)].engine, (c, t)
+        assert turn.cached_tokens >= by_turn[(c, t - 1)].prompt_tokens // BLOCK * BLOCK
+    # round-robin, for contrast, sends half of them elsewhere
+    rr = {(t.conversation, t.turn): t.engine for t in router_scenario.round_robin}
+    assert any(rr[(c, t)] != rr[(c, t - 1)] for c, t in rr if t)
+
+
+def test_an_engine_killed_mid_run_costs_no_answer(router_scenario: RouterScenario) -> None:
+    turns = router_scenario.killed
+    assert {t.engine for t in turns[:KILL_BEFORE]} == {"e0", "e1"}
+    assert {t.engine for t in turns[KILL_BEFORE:]} == {"e0"}
+    assert router_scenario.killed_taken_out >= 1
+    # the survivor still serves its own conversations from its cache
+    assert any(t.cached_tokens for t in turns[KILL_BEFORE:] if t.turn == TURNS - 1)
+
+
+def test_the_multi_engine_replay_routes_returning_turns_as_the_real_run(
+    router_scenario: RouterScenario, tmp_path: Path
+) -> None:
+    """The KV run's prompts (as the router tokenized them) replayed over two replay
+    stacks sized like the servers: every returning turn goes to the same engine."""
+    trace = tmp_path / "kv-run.jsonl"
+    # a minute apart: one at a time, as they were sent (none in flight at the next)
+    lines = [
+        json.dumps({"token_ids": list(p), "output_length": MAX_TOKENS, "timestamp": k * 60_000})
+        for k, p in enumerate(router_scenario.kv_prompts)
+    ]
+    trace.write_text("\n".join(lines) + "\n")
+    workload = Workload("kv-run", tuple(read_tokens(trace, block_size=BLOCK)), BLOCK, True)
+    config = ReplayConfig(gpu_blocks=POOL_BLOCKS, cpu_blocks=4 * POOL_BLOCKS)
+    replayed = replay_engines(workload, config, 2, "kv").assignment
+    real = [t.engine for t in router_scenario.kv]
+    returning = [k for k, t in enumerate(router_scenario.kv) if t.turn > 0]
+    assert [replayed[k] for k in returning] == [real[k] for k in returning]
+    assert list(replayed) == real  # the cold first turns take the same turns too
