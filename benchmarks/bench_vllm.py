@@ -418,7 +418,7 @@ def vllm_manager(capacity: int) -> Any:
 def kvtier_manager(capacity: int) -> Any:
     """kvtier's CPU manager (LRU) behind the adapter vLLM's scheduler talks to."""
     from kvtier.offload import CPUOffloadingManager
-    from kvtier.vllm.kvtier_manager import KvtierOffloadingManager
+    from kvtier.vllm.offloading.kvtier_manager import KvtierOffloadingManager
 
     return KvtierOffloadingManager(CPUOffloadingManager(16, capacity, "lru"))
 

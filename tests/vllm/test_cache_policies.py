@@ -6,7 +6,7 @@ vLLM's `CachePolicyFactory`); kvtier's `CPUOffloadingManager` runs the same poli
 beside it. Each request goes through vLLM's connector flow (lookups key by key,
 loads of the hits, one store offer of the rest, completions, request finished) and
 kvtier's manager gets the same calls, with vLLM's request-scoped hooks as the
-touches `kvtier.vllm.cache_policies` documents: the store misses before the offer,
+touches `kvtier.vllm.cpu_policies.cache_policies` documents: the store misses before the offer,
 the reused keys at the end. Every answer, slot and event must agree.
 """
 
@@ -35,7 +35,7 @@ with quiet():
     from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 
     import kvtier.vllm
-    from kvtier.vllm.cache_policies import policy_names
+    from kvtier.vllm.cpu_policies.cache_policies import policy_names
 
 
 POLICIES = available_policies()

@@ -36,10 +36,10 @@ with quiet():
     )
 
     from kvtier.remote.codec import BlockCodec
-    from kvtier.vllm.connector import check_layer_types, worker_meta
-    from kvtier.vllm.engine_shape import layout_for, shard_root
-    from kvtier.vllm.spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
-    from kvtier.vllm.specs import WorkerReport
+    from kvtier.vllm.offloading.engine_shape import layout_for, shard_root
+    from kvtier.vllm.offloading.job_specs import WorkerReport
+    from kvtier.vllm.offloading.kvtier_connector import check_layer_types, worker_meta
+    from kvtier.vllm.offloading.offloading_spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
 
 LAYERS, TOKENS, PAGE = 2, 32, 2048
 DEVICE_BLOCKS = 16
@@ -333,7 +333,7 @@ class _SlowAnswers:
 def test_every_shard_lookup_keeps_answers_until_all_are_in() -> None:
     """Workers whose answers come in on different steps: asking all of them again each
     time would alternate forever (each answer is handed out once)."""
-    from kvtier.vllm.shard_lookup import EveryShardLookup
+    from kvtier.vllm.offloading.shard_lookup import EveryShardLookup
 
     lookup = EveryShardLookup(_SlowAnswers(3, 1), [_SlowAnswers(2, 2)])  # type: ignore[list-item,arg-type]
     answers = [lookup.lookup([b"k" * 32]) for _ in range(3)]

@@ -38,8 +38,8 @@ with quiet():
         make_offload_key,
     )
 
-    from kvtier.vllm.connector import KvtierWorkerMetadata
-    from kvtier.vllm.spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
+    from kvtier.vllm.offloading.kvtier_connector import KvtierWorkerMetadata
+    from kvtier.vllm.offloading.offloading_spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
 
 LAYERS, TOKENS, PAGE = 2, 32, 2048  # page: one layer's K and V of one block
 DEVICE_BLOCKS = 16
@@ -271,7 +271,7 @@ def test_bad_config_fails_at_start(extra: dict[str, Any], message: str) -> None:
 def test_a_bad_key_fails_while_vllm_builds_its_config() -> None:
     """vLLM asks the connector class while building its config, before any process
     starts (with full CUDA graphs: vLLM's GPU default); kvtier checks its keys there."""
-    from kvtier.vllm.connector import KvtierConnector
+    from kvtier.vllm.offloading.kvtier_connector import KvtierConnector
 
     extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm"}
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config key 'cpu_byte"):

@@ -49,7 +49,7 @@ with quiet():
         make_offload_key,
     )
 
-    from kvtier.vllm.spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
+    from kvtier.vllm.offloading.offloading_spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
 
 LAYERS, PAGE = 2, 2048  # a layer's K and V of one block
 BLOCK_BYTES = LAYERS * PAGE

@@ -27,7 +27,7 @@ with quiet():
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core import kv_cache_utils
 
-    from kvtier.vllm.kvtier_manager import _MEDIA
+    from kvtier.vllm.offloading.kvtier_manager import _MEDIA
 
 H = [bytes([i]) * 32 for i in range(4)]
 

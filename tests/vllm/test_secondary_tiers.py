@@ -38,7 +38,7 @@ with quiet():
     from vllm.v1.kv_offload.tiering.base import JobResult
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    from kvtier.vllm.secondary_tiers import KvtierDiskTier, KvtierRedisTier
+    from kvtier.vllm.tiering.secondary_tiers import KvtierDiskTier, KvtierRedisTier
 
 
 ROW = 4096  # bytes of one chunk in the primary tier (one page)

@@ -13,7 +13,7 @@ with_engines = engines  # the fixture, under this module's name too
 from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
 
 from kvtier.offload.tier_metrics import METRICS  # noqa: E402
-from kvtier.vllm.spec import KvtierOffloadingSpec  # noqa: E402
+from kvtier.vllm.offloading.offloading_spec import KvtierOffloadingSpec  # noqa: E402
 
 
 def by_tier(stats: Any, key: str) -> dict[str, float]:

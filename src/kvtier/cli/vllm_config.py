@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtier.sim.replay_config import ReplayConfig, TimeModel
 from kvtier.store.layout import KVLayout
-from kvtier.vllm.extra_config import parse_extra_config
+from kvtier.vllm.offloading.extra_config import parse_extra_config
 
 # Replay flags that set what the extra config sets: refused beside it, so no figure
 # comes from a mix of the two.

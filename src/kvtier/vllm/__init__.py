@@ -1,4 +1,7 @@
-"""The adapters vLLM loads from outside its tree.
+"""The adapters vLLM loads from outside its tree, one subpackage per way in:
+`offloading` (kvtier's own spec and connector), `cpu_policies` (kvtier's policies in
+vLLM's CPU tier), `tiering` (kvtier's tiers under vLLM's tiering spec); `engines` runs
+real engines for the demo, the benchmarks and the tests; `version` is shared.
 
 vLLM finds each class by a module path and a name (`spec_module_path`,
 `cache_policy_module_path`, a secondary tier's `module_path`, all `"kvtier.vllm"`), so
@@ -14,16 +17,16 @@ from typing import Any
 
 # exported name -> the submodule of kvtier.vllm that defines it
 _EXPORTS: dict[str, str] = {
-    "KvtierConnector": "connector",
-    "KvtierDiskTier": "secondary_tiers",
-    "KvtierOffloadingSpec": "spec",
-    "KvtierRedisTier": "secondary_tiers",
-    "KvtierTieringOffloadingSpec": "secondary_tiers_spec",
-    "transfer_config": "extra_config",
+    "KvtierConnector": "offloading.kvtier_connector",
+    "KvtierDiskTier": "tiering.secondary_tiers",
+    "KvtierOffloadingSpec": "offloading.offloading_spec",
+    "KvtierRedisTier": "tiering.secondary_tiers",
+    "KvtierTieringOffloadingSpec": "tiering.tiering_spec",
+    "transfer_config": "offloading.extra_config",
 }
 # name prefix -> the submodule that makes those names on demand (one vLLM cache policy
 # per policy in kvtier's registry, "kvtier_lru", "kvtier_arc", ...: see cache_policies)
-_PREFIXES: dict[str, str] = {"kvtier_": "cache_policies"}
+_PREFIXES: dict[str, str] = {"kvtier_": "cpu_policies.cache_policies"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -35,16 +35,16 @@ from kvtier.store.diskformat import (
     directory_name,
 )
 from kvtier.types import BlockHash
-from kvtier.vllm.engine_shape import (
+from kvtier.vllm.offloading.engine_shape import (
     check_engine,
     layout_for,
     recovered_on_every_rank,
     shard_root,
 )
-from kvtier.vllm.extra_config import parse_extra_config
-from kvtier.vllm.kvtier_manager import KvtierOffloadingManager
-from kvtier.vllm.kvtier_worker import KvtierOffloadingWorker
-from kvtier.vllm.shard_lookup import EveryShardLookup
+from kvtier.vllm.offloading.extra_config import parse_extra_config
+from kvtier.vllm.offloading.kvtier_manager import KvtierOffloadingManager
+from kvtier.vllm.offloading.kvtier_worker import KvtierOffloadingWorker
+from kvtier.vllm.offloading.shard_lookup import EveryShardLookup
 from kvtier.vllm.version import check_vllm_version
 
 # Set while KvtierConnector builds its spec: only that connector reports failed
@@ -58,7 +58,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
         """kvtier's per-tier metrics (`kvtier.offload.tier_metrics`), for vLLM's `/metrics`."""
-        from kvtier.vllm.tier_stats import metric_definitions
+        from kvtier.vllm.offloading.tier_stats import metric_definitions
 
         return {**super().build_metric_definitions(extra_config), **metric_definitions()}
 

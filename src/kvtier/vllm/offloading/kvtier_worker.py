@@ -50,7 +50,14 @@ from kvtier.transfer.cascade_handler import CascadeHandler
 from kvtier.transfer.device import DeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
-from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
+from kvtier.vllm.offloading.job_specs import (
+    LOCAL,
+    REMOTE,
+    KvtierLoadSpec,
+    KvtierStoreSpec,
+    Part,
+    WorkerReport,
+)
 
 log = logging.getLogger(__name__)
 FLUSH_BATCH = 64  # blocks per disk write of the flush at shutdown

@@ -40,8 +40,8 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from kvtier.offload.abstract import LoadStoreSpec as KvtierSpec
 from kvtier.transfer.device import DeviceKV, copy_blocks
 from kvtier.transfer.transfer_worker import TransferWorker
-from kvtier.vllm.kvtier_worker import CanonicalDeviceKV
-from kvtier.vllm.spec import layout_for
+from kvtier.vllm.offloading.kvtier_worker import CanonicalDeviceKV
+from kvtier.vllm.offloading.offloading_spec import layout_for
 
 
 class ChunkSpec(KvtierSpec):

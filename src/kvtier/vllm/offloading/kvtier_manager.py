@@ -60,8 +60,15 @@ from kvtier.offload.abstract import reset_tier
 from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeOffloadingManager, _core
 from kvtier.remote.remote_manager import epoch_salt
 from kvtier.types import BlockHash
-from kvtier.vllm.specs import LOCAL, REMOTE, KvtierLoadSpec, KvtierStoreSpec, Part, WorkerReport
-from kvtier.vllm.tier_stats import TierStats
+from kvtier.vllm.offloading.job_specs import (
+    LOCAL,
+    REMOTE,
+    KvtierLoadSpec,
+    KvtierStoreSpec,
+    Part,
+    WorkerReport,
+)
+from kvtier.vllm.offloading.tier_stats import TierStats
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.remote.tier import RemoteTier
 from kvtier.store.disk_store import DiskStore
 from kvtier.types import BlockHash
-from kvtier.vllm.secondary_tiers_base import KvtierSecondaryTier
-from kvtier.vllm.secondary_tiers_lookup import KeyLookups
+from kvtier.vllm.tiering.tier_base import KvtierSecondaryTier
+from kvtier.vllm.tiering.tier_lookup import KeyLookups
 
 
 def _positions(hashes: Sequence[BlockHash], chosen: Collection[BlockHash]) -> list[int]:

@@ -38,9 +38,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
-from kvtier.vllm.extra_config import parse_extra_config
-from kvtier.vllm.spec import UNDER_KVTIER_CONNECTOR
-from kvtier.vllm.specs import WorkerReport
+from kvtier.vllm.offloading.extra_config import parse_extra_config
+from kvtier.vllm.offloading.job_specs import WorkerReport
+from kvtier.vllm.offloading.offloading_spec import UNDER_KVTIER_CONNECTOR
 from kvtier.vllm.version import check_vllm_version
 
 log = logging.getLogger(__name__)

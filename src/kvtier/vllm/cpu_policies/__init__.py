@@ -1,0 +1,2 @@
+"""kvtier's eviction policies inside vLLM's own CPU offloading tier
+(`"eviction_policy": "kvtier_<policy>"`, `"cache_policy_module_path": "kvtier.vllm"`)."""
