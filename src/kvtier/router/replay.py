@@ -33,10 +33,10 @@ from kvtier.router.tiers import Tier
 from kvtier.sim.bounds import Bounds, compute_bounds
 from kvtier.sim.bytes_plane import NoBytes
 from kvtier.sim.ledger import Ledger
-from kvtier.sim.metrics import TierCounters
 from kvtier.sim.replay_config import ReplayConfig, TimeModel
+from kvtier.sim.run import new_ledger, new_step
 from kvtier.sim.stack import TierStack, build_stack
-from kvtier.sim.step import ConnectorStep, OffloadStep, Step
+from kvtier.sim.step import Step
 from kvtier.sim.workload import Workload
 from kvtier.types import BlockHash
 
@@ -201,28 +201,11 @@ def _engine(
 ) -> _Engine:
     stack = build_stack(workload, config)
     closing.callback(stack.close)
-    counters = stack.counters()
-    if config.gpu_blocks:
-        counters.insert(0, TierCounters("gpu", config.gpu_blocks, "lru"))
-    ledger = Ledger(workload, counters)
-    ledger.preloaded(stack.take_events())
-    step: Step
-    in_pool: Callable[[BlockHash], bool] = _nowhere
-    if config.gpu_blocks:
-        from kvtier.connector import OffloadConnector
-
-        longest = max((r.input_length + r.output_length for r in workload.requests), default=1)
-        connector = OffloadConnector.create(
-            stack.manager,
-            block_size=workload.block_size,
-            num_gpu_blocks=config.gpu_blocks,
-            max_model_len=longest + 1,
-            store_on=config.store_on,
-        )
-        step = ConnectorStep(workload, connector, stack, NoBytes(), ledger)
-        in_pool = connector.gpu.is_cached
-    else:
-        step = OffloadStep(workload, stack, NoBytes(), ledger)
+    ledger = new_ledger(workload, config, stack)
+    step, connector = new_step(workload, config, stack, NoBytes(), ledger)
+    in_pool: Callable[[BlockHash], bool] = (
+        connector.gpu.is_cached if connector is not None else _nowhere
+    )
     return _Engine(name, stack, ledger, step, in_pool)
 
 

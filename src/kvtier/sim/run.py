@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from kvtier.sim.bytes_plane import BytesPlane, NoBytes
 from kvtier.sim.clock import VirtualClock, Waits, at_once
@@ -23,6 +24,9 @@ from kvtier.sim.replay_config import Progress, ReplayConfig
 from kvtier.sim.stack import TierStack, build_stack
 from kvtier.sim.step import ConnectorStep, OffloadStep, Step
 from kvtier.sim.workload import Workload
+
+if TYPE_CHECKING:
+    from kvtier.connector import OffloadConnector
 
 
 def needs_torch(config: ReplayConfig) -> None:
@@ -61,11 +65,7 @@ def replay(
     with contextlib.ExitStack() as closing:  # closes the bytes plane, then the tiers
         stack = build_stack(workload, config, layout)
         closing.callback(stack.close)
-        counters = stack.counters()
-        if config.gpu_blocks:
-            counters.insert(0, TierCounters("gpu", config.gpu_blocks, "lru"))
-        ledger = Ledger(workload, counters)
-        ledger.preloaded(stack.take_events())  # blocks a reopened disk directory holds
+        ledger = new_ledger(workload, config, stack)
         plane: BytesPlane = NoBytes()
         data_plane = None
         if layout is not None:
@@ -102,6 +102,36 @@ def replay(
     )
 
 
+def new_ledger(workload: Workload, config: ReplayConfig, stack: TierStack) -> Ledger:
+    """The tally of one replay of `stack` (and its accelerator tier, if any)."""
+    counters = stack.counters()
+    if config.gpu_blocks:
+        counters.insert(0, TierCounters("gpu", config.gpu_blocks, "lru"))
+    ledger = Ledger(workload, counters)
+    ledger.preloaded(stack.take_events())  # blocks a reopened disk directory holds
+    return ledger
+
+
+def new_step(
+    workload: Workload, config: ReplayConfig, stack: TierStack, plane: BytesPlane, ledger: Ledger
+) -> tuple[Step, OffloadConnector | None]:
+    """The per-request step over `stack`: through an accelerator tier and its connector
+    when the config has one (returned too), else straight to the offload tiers."""
+    if not config.gpu_blocks:
+        return OffloadStep(workload, stack, plane, ledger), None
+    from kvtier.connector import OffloadConnector
+
+    longest = max((r.input_length + r.output_length for r in workload.requests), default=1)
+    connector = OffloadConnector.create(
+        stack.manager,
+        block_size=workload.block_size,
+        num_gpu_blocks=config.gpu_blocks,
+        max_model_len=longest + 1,
+        store_on=config.store_on,
+    )
+    return ConnectorStep(workload, connector, stack, plane, ledger), connector
+
+
 def _drive(
     workload: Workload,
     config: ReplayConfig,
@@ -122,23 +152,8 @@ def _drive(
         fast_offload_loop(stack.manager, ledger, progress)
         _end(progress, workload)
         return {}
-    step: Step
-    connector = None
-    offload_step = None
-    if config.gpu_blocks:
-        from kvtier.connector import OffloadConnector
-
-        longest = max((r.input_length + r.output_length for r in workload.requests), default=1)
-        connector = OffloadConnector.create(
-            stack.manager,
-            block_size=workload.block_size,
-            num_gpu_blocks=config.gpu_blocks,
-            max_model_len=longest + 1,
-            store_on=config.store_on,
-        )
-        step = ConnectorStep(workload, connector, stack, plane, ledger)
-    else:
-        step = offload_step = OffloadStep(workload, stack, plane, ledger)
+    step, connector = new_step(workload, config, stack, plane, ledger)
+    offload_step = step if isinstance(step, OffloadStep) else None
     waits: Waits
     if config.time_model is None:
         waits = at_once(step, progress)
