@@ -14,10 +14,11 @@ import dataclasses
 import fcntl
 import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -40,6 +41,9 @@ class EngineRun:
     events: tuple[KVEvent, ...]  # empty unless the run subscribed to KV events
 
 
+T = TypeVar("T")
+
+
 class EngineRuns:
     """Engine jobs run once per session, by name."""
 
@@ -50,14 +54,19 @@ class EngineRuns:
     def run(self, name: str, job: EngineJob, *, events: bool = False) -> EngineRun:
         """`job` run under `name` (the first caller's job counts); `events=True` also
         collects vLLM's KV events (the job's `kv_events_endpoint` is filled in)."""
+        return self.once(name, lambda _workdir: _run(job, events, self.root))
+
+    def once(self, name: str, play: Callable[[Path], T]) -> T:
+        """`play(workdir)`'s result, played by the first caller of `name` in this session
+        (across xdist workers: a file lock; the result is pickled for the others)."""
         cached = self.root / f"{name}.pickle"
         with _locked(self.root / f"{name}.lock"):
             if cached.exists():
-                run: EngineRun = pickle.loads(cached.read_bytes())
-                return run
-            run = _run(job, events, self.root)
-            cached.write_bytes(pickle.dumps(run))
-            return run
+                result: T = pickle.loads(cached.read_bytes())
+                return result
+            result = play(self.root / name)
+            cached.write_bytes(pickle.dumps(result))
+            return result
 
     def model(self, shape: ModelShape = TINY, name: str = "tiny-model") -> Path:
         """A model (the tiny one by default) with seeded weights, written once per session."""

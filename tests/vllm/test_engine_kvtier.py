@@ -20,7 +20,6 @@ model has seeded weights under which a wrong KV block changes tokens and logprob
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import pytest
 
 from kvtier.vllm.engines import TINY, JobResult, Round
 from tests.remote.conftest import serve_redis
-from tests.vllm.conftest import EngineRun, EngineRuns, _locked, _run
+from tests.vllm.conftest import EngineRun, EngineRuns, _run
 from tests.vllm.engine_workloads import (
     CACHEABLE_TOKENS,
     FILLER,
@@ -62,14 +61,7 @@ def kvtier(**keys: object) -> dict[str, object]:
 def scenario(
     engine_runs: EngineRuns, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Scenario:
-    cached = engine_runs.root / "kvtier-scenario.pickle"
-    with _locked(engine_runs.root / "kvtier-scenario.lock"):
-        if cached.exists():
-            result: Scenario = pickle.loads(cached.read_bytes())
-            return result
-        result = _play(tiny_model, engine_runs.root / "kvtier-scenario")
-        cached.write_bytes(pickle.dumps(result))
-        return result
+    return engine_runs.once("kvtier-scenario", lambda workdir: _play(tiny_model, workdir))
 
 
 def _play(model: Path, workdir: Path) -> Scenario:

@@ -17,7 +17,6 @@ Two server starts for every check (each costs about a minute here):
 
 from __future__ import annotations
 
-import pickle
 import re
 import shutil
 import socket
@@ -30,7 +29,7 @@ import pytest
 
 from kvtier.vllm.engines import TINY
 from tests.remote.conftest import serve_redis
-from tests.vllm.conftest import EngineRuns, _locked
+from tests.vllm.conftest import EngineRuns
 from tests.vllm.engine_events import KVEvent, KVEventSubscriber
 from tests.vllm.engine_workloads import CACHEABLE_TOKENS, overflow_rounds
 from tests.vllm.server import MODEL_NAME, Server, text_of, write_tokenizer
@@ -98,14 +97,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def server_scenario(engine_runs: EngineRuns, tiny_model: Path) -> ServerScenario:
-    cached = engine_runs.root / "server-scenario.pickle"
-    with _locked(engine_runs.root / "server-scenario.lock"):
-        if cached.exists():
-            result: ServerScenario = pickle.loads(cached.read_bytes())
-            return result
-        result = _play(tiny_model, engine_runs.root / "server-scenario")
-        cached.write_bytes(pickle.dumps(result))
-        return result
+    return engine_runs.once("server-scenario", lambda workdir: _play(tiny_model, workdir))
 
 
 def _play(tiny_model: Path, workdir: Path) -> ServerScenario:

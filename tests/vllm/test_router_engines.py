@@ -11,7 +11,6 @@ blocks. The run is shared between workers like the other engine scenarios.
 from __future__ import annotations
 
 import json
-import pickle
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from kvtier.sim import ReplayConfig
 from kvtier.sim.traces import read_tokens
 from kvtier.sim.workload import Workload
 from kvtier.vllm.engines import TINY
-from tests.vllm.conftest import EngineRuns, _locked
+from tests.vllm.conftest import EngineRuns
 from tests.vllm.openai_servers import BLOCK, POOL_BLOCKS, chat_model, openai_servers
 from tests.vllm.router_workload import MAX_TOKENS, Turn, play, user_messages
 
@@ -44,16 +43,12 @@ class RouterScenario:
 
 @pytest.fixture(scope="session")
 def router_scenario(engine_runs: EngineRuns, tiny_model: Path) -> RouterScenario:
-    cached = engine_runs.root / "router-scenario.pickle"
-    with _locked(engine_runs.root / "router-scenario.lock"):
-        if cached.exists():
-            result: RouterScenario = pickle.loads(cached.read_bytes())
-            return result
+    def quietly(workdir: Path) -> RouterScenario:
         with warnings.catch_warnings():  # transformers' and vLLM's, in the router's thread
             warnings.simplefilter("ignore")
-            result = _play(tiny_model, engine_runs.root / "router-scenario")
-        cached.write_bytes(pickle.dumps(result))
-        return result
+            return _play(tiny_model, workdir)
+
+    return engine_runs.once("router-scenario", quietly)
 
 
 def _play(source: Path, workdir: Path) -> RouterScenario:
