@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import LoadStoreSpec
 
+from kvtier.connector.tier_stack import LOCAL, REMOTE
 from kvtier.offload.abstract import LoadStoreSpec as KvtierSpec
 from kvtier.types import BlockHash
 
-LOCAL, REMOTE = "local", "remote"
+__all__ = ["LOCAL", "REMOTE", "KvtierLoadSpec", "KvtierStoreSpec", "Part", "WorkerReport"]
 
 
 @dataclass
