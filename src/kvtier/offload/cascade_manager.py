@@ -111,8 +111,9 @@ class _Group:
     waiting: set[BlockHash] = field(default_factory=set)
 
 
-def _core(manager: OffloadingManager) -> Any:
-    """The manager holding block status (unwrapping admission filters)."""
+def block_status_core(manager: OffloadingManager) -> Any:
+    """The manager holding block status, under any admission filters: the cascade and the
+    engine adapter read residency there, where the filters do not answer."""
     while not hasattr(manager, "get_block"):
         inner = getattr(manager, "backing", None)
         if inner is None:
@@ -138,7 +139,7 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
                 f"disk_writes must be 'demote' or 'write_through', got {disk_writes!r}"
             )
         self.cpu, self.disk = cpu, disk
-        self._cpu_core, self._disk_core = _core(cpu), _core(disk)
+        self._cpu_core, self._disk_core = block_status_core(cpu), block_status_core(disk)
         self.write_through = disk_writes == "write_through"
         self.promote = promote
         self.events: list[OffloadingEvent] | None = [] if enable_events else None

@@ -57,7 +57,11 @@ from vllm.v1.kv_offload.base import (
 from kvtier.connector.chain import ChainSpec, TierChain
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.offload.abstract import reset_tier
-from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeOffloadingManager, _core
+from kvtier.offload.cascade_manager import (
+    CascadeLoadSpec,
+    CascadeOffloadingManager,
+    block_status_core,
+)
 from kvtier.remote.remote_manager import epoch_salt
 from kvtier.types import BlockHash
 from kvtier.vllm.offloading.job_specs import (
@@ -187,9 +191,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self.load_failures = 0
         self.store_failures = 0
         if isinstance(local, CascadeOffloadingManager):
-            tiers = {"cpu": _core(local.cpu), "disk": _core(local.disk)}
+            tiers = {"cpu": block_status_core(local.cpu), "disk": block_status_core(local.disk)}
         else:
-            tiers = {"cpu": _core(local)}
+            tiers = {"cpu": block_status_core(local)}
         self._local_label = "disk" if "disk" in tiers else "cpu"
         self.tier_stats = TierStats(
             tiers, block_bytes=block_bytes, file_bytes=file_bytes, remote=remote
