@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 from kvtier.connector.chain import settle_load
 from kvtier.gpu.block_pool import EvictionHook
@@ -44,8 +44,11 @@ from kvtier.types import BlockHash
 StoreOn = Literal["compute", "evict"]
 
 
-@dataclass(frozen=True)
-class TransferJob:
+class TransferJob(NamedTuple):
+    """One transfer for the data plane. Immutable, and a named tuple rather than a
+    frozen dataclass: one or two are built per request, and a frozen dataclass's
+    construction cost three times as much (a checked assignment per field)."""
+
     job_id: int
     kind: Literal["load", "store"]
     request_id: str | None  # None for stores of evicted blocks (no request owns them)
@@ -53,16 +56,17 @@ class TransferJob:
     gpu_block_ids: list[int]
     spec: LoadStoreSpec
     # For stores: the tier's victims that made room (already gone from the tier).
-    evicted: list[BlockHash] = field(default_factory=list)
+    evicted: Sequence[BlockHash] = ()
 
 
-@dataclass(frozen=True)
-class Admission:
+class Admission(NamedTuple):
+    """What `admit` decided (a named tuple, as `TransferJob`: one per request)."""
+
     gpu_hit_blocks: int
     offload_hit_blocks: int
     load: TransferJob | None
     # Stores of blocks the accelerator evicted while making room (store_on="evict").
-    stores: list[TransferJob] = field(default_factory=list)
+    stores: Sequence[TransferJob] = ()
 
 
 @dataclass
