@@ -158,11 +158,11 @@ class OffloadConnector:
         """Accelerator hit, offload continuation, allocation, load plan; None: no room."""
         blocks, gpu_tokens = self.gpu.get_computed_blocks(request)
         hashes = request.get_block_hashes(self.block_size, self.gpu.hash_algorithm)
-        start = len(blocks)
-        limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        start, num_tokens = len(blocks), request.num_tokens
+        limit = min(len(hashes), (num_tokens - 1) // self.block_size)
         ext = (self.offload.lookup(hashes[start:limit]) or 0) if start < limit else 0
         before = request.num_computed_tokens
-        num_new = request.num_tokens - gpu_tokens
+        num_new = num_tokens - gpu_tokens
         if self.gpu.allocate_slots(request, num_new, blocks, delay_cache_blocks=ext > 0) is None:
             self._counters.refused += 1
             return None

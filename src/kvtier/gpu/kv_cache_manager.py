@@ -324,9 +324,10 @@ class KVCacheManager:
         return blocks
 
     def _check_length(self, request: Request, num_computed_tokens: int) -> None:
-        if request.num_tokens > self.max_model_len:
+        num_tokens = request.num_tokens
+        if num_tokens > self.max_model_len:
             raise ValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
+                f"request {request.request_id!r} has {num_tokens} tokens, more than "
                 f"max_model_len={self.max_model_len}"
             )
         if num_computed_tokens > self.max_model_len:
@@ -334,9 +335,9 @@ class KVCacheManager:
                 f"request {request.request_id!r} would reach {num_computed_tokens} tokens, "
                 f"more than max_model_len={self.max_model_len}"
             )
-        if num_computed_tokens > request.num_tokens:
+        if num_computed_tokens > num_tokens:
             raise ValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens; slots for "
+                f"request {request.request_id!r} has {num_tokens} tokens; slots for "
                 f"{num_computed_tokens} asked (append its tokens first)"
             )
 
