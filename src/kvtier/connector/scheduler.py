@@ -239,8 +239,10 @@ class OffloadConnector:
         if not to_store and not out.block_hashes_evicted:
             return None
         if ids:  # the slots of the hashes actually stored, by their position
-            # the usual case: all of them, each once (a list equals a list only)
-            if to_store == hashes and len(set(to_store)) == len(to_store):
+            # The usual case: all of them (a list equals a list only). kvtier's managers
+            # take a repeated hash once, so then none repeats; a manager that stores a
+            # repeated hash twice gets each listing's own slot (same bytes either way).
+            if to_store == hashes:
                 ids = ids[first : first + len(hashes)]
             else:
                 position = {h: first + i for i, h in enumerate(hashes)}
