@@ -9,6 +9,7 @@ import pytest
 
 from kvtier.sim.traces import TraceFormatError, read_bailian, read_mooncake
 from kvtier.sim.workload import load_workload
+from kvtier.types import int_block_hash
 
 
 def _write(tmp_path: Path, name: str, rows: list[object]) -> Path:
@@ -55,6 +56,16 @@ def test_workload_sorts_by_timestamp_stably(tmp_path: Path) -> None:
     workload = load_workload(_write(tmp_path, "m.jsonl", rows))
     assert workload.block_ids == ((2,), (1,), (3,))
     assert workload.limited(2).block_ids == ((2,), (1,))
+
+
+def test_workload_packs_an_id_into_one_hash_object_wherever_it_occurs(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [7, 8]},
+        {"timestamp": 2, "input_length": 1024, "output_length": 1, "hash_ids": [7, 9]},
+    ]
+    first, second = load_workload(_write(tmp_path, "m.jsonl", rows)).block_hashes
+    assert first[0] == int_block_hash(7) and second[1] == int_block_hash(9)
+    assert first[0] is second[0]  # the tiers' maps then match it by identity
 
 
 @pytest.mark.parametrize(

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 from kvtier.connector.chain import settle_load
 from kvtier.gpu.block_pool import EvictionHook
@@ -44,8 +44,11 @@ from kvtier.types import BlockHash
 StoreOn = Literal["compute", "evict"]
 
 
-@dataclass(frozen=True)
-class TransferJob:
+class TransferJob(NamedTuple):
+    """One transfer for the data plane. Immutable, and a named tuple rather than a
+    frozen dataclass: one or two are built per request, and a frozen dataclass's
+    construction cost three times as much (a checked assignment per field)."""
+
     job_id: int
     kind: Literal["load", "store"]
     request_id: str | None  # None for stores of evicted blocks (no request owns them)
@@ -53,16 +56,17 @@ class TransferJob:
     gpu_block_ids: list[int]
     spec: LoadStoreSpec
     # For stores: the tier's victims that made room (already gone from the tier).
-    evicted: list[BlockHash] = field(default_factory=list)
+    evicted: Sequence[BlockHash] = ()
 
 
-@dataclass(frozen=True)
-class Admission:
+class Admission(NamedTuple):
+    """What `admit` decided (a named tuple, as `TransferJob`: one per request)."""
+
     gpu_hit_blocks: int
     offload_hit_blocks: int
     load: TransferJob | None
     # Stores of blocks the accelerator evicted while making room (store_on="evict").
-    stores: list[TransferJob] = field(default_factory=list)
+    stores: Sequence[TransferJob] = ()
 
 
 @dataclass
@@ -154,11 +158,11 @@ class OffloadConnector:
         """Accelerator hit, offload continuation, allocation, load plan; None: no room."""
         blocks, gpu_tokens = self.gpu.get_computed_blocks(request)
         hashes = request.get_block_hashes(self.block_size, self.gpu.hash_algorithm)
-        start = len(blocks)
-        limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        start, num_tokens = len(blocks), request.num_tokens
+        limit = min(len(hashes), (num_tokens - 1) // self.block_size)
         ext = (self.offload.lookup(hashes[start:limit]) or 0) if start < limit else 0
         before = request.num_computed_tokens
-        num_new = request.num_tokens - gpu_tokens
+        num_new = num_tokens - gpu_tokens
         if self.gpu.allocate_slots(request, num_new, blocks, delay_cache_blocks=ext > 0) is None:
             self._counters.refused += 1
             return None
@@ -235,8 +239,10 @@ class OffloadConnector:
         if not to_store and not out.block_hashes_evicted:
             return None
         if ids:  # the slots of the hashes actually stored, by their position
-            # the usual case: all of them, each once (a list equals a list only)
-            if to_store == hashes and len(set(to_store)) == len(to_store):
+            # The usual case: all of them (a list equals a list only). kvtier's managers
+            # take a repeated hash once, so then none repeats; a manager that stores a
+            # repeated hash twice gets each listing's own slot (same bytes either way).
+            if to_store == hashes:
                 ids = ids[first : first + len(hashes)]
             else:
                 position = {h: first + i for i, h in enumerate(hashes)}

@@ -17,7 +17,7 @@ adapter, which answers key by key); both keep the chain's member names below.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -121,11 +121,8 @@ class Tiers:
     remote_manager: RemoteOffloadingManager | None = None
     _closing: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
-    def take_events(self) -> list[OffloadingEvent]:
-        events = list(self.local.take_events())
-        if self.remote_manager is not None:
-            events += self.remote_manager.take_events()
-        return events
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return take_events(self.local, self.remote_manager)
 
     def close(self) -> None:
         self._closing.close()
@@ -190,6 +187,17 @@ def build_tiers(
             async_lookup=async_lookup,
         )
     return tiers
+
+
+def take_events(
+    local: OffloadingManager, remote: OffloadingManager | None
+) -> Iterable[OffloadingEvent]:
+    """The events of a stack's local and remote parts, local first, taken at the call
+    (not as they are iterated). A replay drains them several times per request: the
+    local tier's own iterable is passed on as it is when there is no remote part."""
+    if remote is None:
+        return local.take_events()
+    return [*local.take_events(), *remote.take_events()]
 
 
 def _reuse_filter(manager: OffloadingManager, threshold: int) -> OffloadingManager:

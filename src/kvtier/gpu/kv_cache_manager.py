@@ -19,7 +19,6 @@ every block as it was.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from operator import attrgetter
 
 from kvtier.gpu.block import KVCacheBlock
 from kvtier.gpu.block_pool import BlockPool, EvictionHook
@@ -34,8 +33,6 @@ from kvtier.hashing import HashAlgorithm, digest_function
 from kvtier.request import Request
 from kvtier.types import BlockHash
 from kvtier.validate import positive_int
-
-_block_id = attrgetter("block_id")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -278,7 +275,8 @@ class KVCacheManager:
         return list(self._blocks_of(request_id))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return list(map(_block_id, self._blocks_of(request_id)))
+        # (a comprehension: `map` of an attrgetter costs twice as much per block)
+        return [block.block_id for block in self._blocks_of(request_id)]
 
     def get_num_cached_blocks(self, request_id: str) -> int:
         """How many of the request's leading blocks are registered in the prefix cache."""
@@ -324,9 +322,10 @@ class KVCacheManager:
         return blocks
 
     def _check_length(self, request: Request, num_computed_tokens: int) -> None:
-        if request.num_tokens > self.max_model_len:
+        num_tokens = request.num_tokens
+        if num_tokens > self.max_model_len:
             raise ValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
+                f"request {request.request_id!r} has {num_tokens} tokens, more than "
                 f"max_model_len={self.max_model_len}"
             )
         if num_computed_tokens > self.max_model_len:
@@ -334,9 +333,9 @@ class KVCacheManager:
                 f"request {request.request_id!r} would reach {num_computed_tokens} tokens, "
                 f"more than max_model_len={self.max_model_len}"
             )
-        if num_computed_tokens > request.num_tokens:
+        if num_computed_tokens > num_tokens:
             raise ValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens; slots for "
+                f"request {request.request_id!r} has {num_tokens} tokens; slots for "
                 f"{num_computed_tokens} asked (append its tokens first)"
             )
 

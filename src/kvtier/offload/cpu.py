@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-
-from kvtier.offload._fast import block_id
 from kvtier.offload.backend import Backend, BlockStatus
 from kvtier.offload.mediums import CPULoadStoreSpec
 from kvtier.types import BlockHash
@@ -61,5 +58,5 @@ class CPUBackend(Backend):
     def get_load_store_spec(
         self, block_hashes: Sequence[BlockHash], blocks: Sequence[BlockStatus]
     ) -> CPULoadStoreSpec:
-        # straight into an int64 array: no list of ints for numpy to convert
-        return CPULoadStoreSpec.of_array(np.fromiter(map(block_id, blocks), np.int64, len(blocks)))
+        # a slot's status object keeps its slot for life: the ids are read when needed
+        return CPULoadStoreSpec.of_blocks(blocks)

@@ -24,12 +24,12 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.connector.chain import TierChain
-from kvtier.connector.tier_stack import LOCAL, REMOTE, DiskBacking, build_tiers
+from kvtier.connector.tier_stack import LOCAL, REMOTE, DiskBacking, build_tiers, take_events
 from kvtier.offload.abstract import OffloadingEvent, OffloadingManager
 from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.sim.metrics import TierCounters
@@ -82,10 +82,8 @@ class TierStack:
             for name, size in self.capacities.items()
         ]
 
-    def take_events(self) -> Iterator[OffloadingEvent]:
-        yield from self.local.take_events()
-        if self.remote_manager is not None:
-            yield from self.remote_manager.take_events()
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return take_events(self.local, self.remote_manager)
 
     def refusals(self, top_refused: int) -> dict[str, int]:
         """Stores each tier refused: the chain knows per tier; a local stack refused

@@ -122,8 +122,9 @@ class _Settling:
         """Blocks past the prefix that a local tier holds and could serve (`locate`'s
         answer): those only on disk are read and checked first (with real bytes), so a
         corrupt file is no hit."""
-        bad = self.plane.unreadable(on_disk) if on_disk else set()
-        return held + len(on_disk) - len(bad)
+        if not on_disk:
+            return held
+        return held + len(on_disk) - len(self.plane.unreadable(on_disk))
 
     def promote(self, spec: LoadStoreSpec, loaded: list[BlockHash], ids: Sequence[int]) -> None:
         """Copy blocks a lower tier served up into the local tier, bytes included (the
@@ -322,7 +323,8 @@ class ConnectorStep(_Settling):
             ids = c.gpu.get_block_ids(request.request_id)
             if not self.plane.verify(ids[:gpu_hit], hashes[:gpu_hit]):
                 ledger.checksum_failed("gpu")
-        ledger.served_from(index, "gpu", gpu_hit)
+        if gpu_hit:
+            ledger.served_from(index, "gpu", gpu_hit)
         p = Pending(index, hs, gpu_hit, request=request, admission=adm, loaded_blocks=ext)
         if adm.load is not None:
             job = adm.load

@@ -7,6 +7,7 @@ within one request counted once (a block is computed once per request).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -72,8 +73,14 @@ class Workload:
 
     @cached_property
     def block_hashes(self) -> tuple[list[BlockHash], ...]:
-        """Each request's ids packed as block hashes, once: every replay of it reuses them."""
-        return tuple([int_block_hash(b) for b in ids] for ids in self.block_ids)
+        """Each request's ids packed as block hashes, once: every replay of it reuses them.
+
+        An id is one object wherever it occurs, as the tiers' maps hold it: a lookup
+        then matches by identity, with no bytes to compare, and a replay walks over
+        a fraction of the memory (most references repeat an earlier id)."""
+        unique = dict.fromkeys(itertools.chain.from_iterable(self.block_ids))
+        packed = dict(zip(unique, map(int_block_hash, unique), strict=True))
+        return tuple(list(map(packed.__getitem__, ids)) for ids in self.block_ids)
 
     @cached_property
     def input_tokens(self) -> int:
