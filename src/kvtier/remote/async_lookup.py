@@ -3,10 +3,15 @@
 A synchronous lookup costs the scheduler one Redis round trip per request per
 step. With this, the first `lookup` of a prefix submits it to a background
 thread and answers None; the scheduler asks again on a later step and gets the
-count once it is there (and a repeated question after that starts a fresh one,
-so an answer is never older than one scheduling round). Unanswered questions
-are bounded: the oldest is forgotten first (and not sent, if it has not started:
-the executor's queue is bounded by the same number).
+count once it is there (and a repeated question after that starts a fresh one).
+Unanswered questions are bounded: the oldest is forgotten first (and not sent,
+if it has not started: the executor's queue is bounded by the same number).
+
+A round trip that failed (a timeout: on a loaded machine the server or this
+thread may get no CPU for the whole socket timeout) is no answer: the question is
+sent again, and answered as a miss only once the circuit breaker says the tier is
+down. Answered as a miss at once, it cut a prefix short at the block whose lookup
+timed out: vLLM asks block by block, and loads the hits before the first miss.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ class AsyncLookups:
         self.store = store
         self.salt = salt
         self.max_pending = max_pending
-        self._pending: OrderedDict[tuple[BlockHash, ...], Future[int]] = OrderedDict()
+        self._pending: OrderedDict[tuple[BlockHash, ...], Future[int | None]] = OrderedDict()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
         self._seconds: deque[float] = deque(maxlen=max_pending)  # appended off-thread
 
@@ -47,14 +52,19 @@ class AsyncLookups:
             return None
         del self._pending[key]
         try:
-            return future.result()
-        except Exception:  # count_prefix never raises; a bug must not reach the scheduler
+            found = future.result()
+        except Exception:  # the store never raises; a bug must not reach the scheduler
             log.exception("remote tier: background lookup failed; answering a miss")
             return 0
+        if found is None:  # the server gave no answer
+            if self.store.breaker.rejecting():
+                return 0  # the tier is down: a miss, until the breaker lets calls through
+            return self.lookup(block_hashes)  # not known: asked again
+        return found
 
-    def _timed(self, block_hashes: list[BlockHash], salt: str | None) -> int:
+    def _timed(self, block_hashes: list[BlockHash], salt: str | None) -> int | None:
         started = time.perf_counter()
-        found = self.store.count_prefix(block_hashes, salt)
+        found = self.store.try_count_prefix(block_hashes, salt)
         self._seconds.append(time.perf_counter() - started)
         return found
 

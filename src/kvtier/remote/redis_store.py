@@ -144,8 +144,17 @@ class RedisBlockStore:
         Stops at the first hole: a chain whose middle was evicted is only useful
         up to the hole. Headers are fetched (GETRANGE, 48 bytes) rather than
         EXISTS so a value of another fingerprint or format is ignored here,
-        before anyone plans a load of it.
+        before anyone plans a load of it. A failed or refused call counts none.
         """
+        found = self.try_count_prefix(block_hashes, salt)
+        return 0 if found is None else found
+
+    def try_count_prefix(
+        self, block_hashes: Sequence[bytes], salt: str | None = None
+    ) -> int | None:
+        """`count_prefix`, or None when the server gave no answer (the call failed, or
+        the breaker refused it): a caller that can ask again later tells "not known"
+        from "not there" (`async_lookup`)."""
         if not block_hashes:
             return 0
         keys = self._keys(block_hashes, salt)
@@ -157,7 +166,7 @@ class RedisBlockStore:
         found: tuple[int, bytes] | None = self._guarded("lookup", call, None)
         if found is None:
             self._counters.add(lookups=1)
-            return 0
+            return None
         num_hits, stopper = found
         if stopper:  # present but refused: say why
             status = self.codec.check_prefix(block_hashes[num_hits], stopper)
