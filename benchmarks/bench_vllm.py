@@ -32,7 +32,8 @@ Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a bu
    on a busy machine, written to vllm_1024.json).
    The same rows on two other engine shapes (issue 23, `--shapes`): `hybrid`, the
    model's hybrid variant (Gemma-3-shaped: 20 sliding-window layers of 512 tokens, 4
-   full-attention; kvtier moves the window's blocks of the sliding groups only), and
+   full-attention; kvtier moves the window's blocks of the sliding groups only; its
+   pool, 1,056 blocks at 4,096 tokens, is shared by its six KV-cache groups), and
    `tp`, the model on two tensor-parallel workers (each moves its half of every block;
    the copy rate sums both workers' copies over both workers' seconds, so it is per
    worker); each shape's results go to vllm_<shape>[_<tokens>].json.
@@ -81,6 +82,9 @@ from kvtier.vllm.engines.compare import same_cpus_env
 BLOCK = 32
 BLOCK_BYTES = QWEN2_05B.kv_bytes(BLOCK)
 SETTLE_S = 5.0  # before a timed return: the tiers' asynchronous writes finish first
+# vLLM's CPU build's max_num_batched_tokens for the LLM class, per worker (its
+# EngineArgs defaults): one prefill step's tokens, which a sliding-window group holds
+CPU_BATCHED_TOKENS = 4096
 TARGET_VS_RECOMPUTE = 20.0
 TARGET_VS_POOL_HIT = 3.0
 TARGET_VS_RAW = 0.5
@@ -108,7 +112,24 @@ class Size:
 
     @property
     def pool_blocks(self) -> int:
-        return self.prompt_tokens * 300 // 4096
+        """One prompt's peak in the pool, plus 171/128 of what a finished prompt leaves
+        cached there (the base model: 129 + 171 = 300 blocks at 4,096 tokens), so that
+        A, B and C overflow it and C's prefill evicts A in every shape.
+
+        The peak is what vLLM reserves for a request of `max_model_len` in every
+        KV-cache group (its admission check): a whole prompt's blocks in a
+        full-attention group, and in a sliding-window group the window plus one step's
+        tokens, capped by the prompt (a one-step prefill writes every token's KV before
+        the blocks that left the window are freed). What stays cached is every block of
+        a full-attention group and the window's of a sliding one."""
+        full, sliding = self.model.kv_cache_groups
+        blocks = self.prompt_tokens // BLOCK
+        model_len = self.prompt_tokens + BLOCK  # the engine's max_model_len (see _job)
+        window = self.model.sliding_window or 0
+        step = min(window - 1 + CPU_BATCHED_TOKENS * self.tensor_parallel, model_len)
+        peak = full * -(-model_len // BLOCK) + sliding * (-(-step // BLOCK) + 1)
+        cached = full * blocks + sliding * (window // BLOCK)
+        return peak + cached * 171 // 128
 
     @property
     def kv_bytes(self) -> int:
