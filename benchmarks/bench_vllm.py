@@ -259,7 +259,15 @@ def _timed_run(label: str, job: EngineJob) -> JobResult:
     print(f"   engine: {label} ...", flush=True)
     result = run_job(job, timeout_s=1800)
     print(f"   engine: {label}: started in {result.start_s:.1f} s", flush=True)
+    for line in kvtier_warnings(result.log):  # a row that missed says why here
+        print(f"     {line}", flush=True)
     return result
+
+
+def kvtier_warnings(log: str, limit: int = 20) -> list[str]:
+    """The engine log's lines from kvtier (failed transfers, a Redis tier skipped)."""
+    lines = [ln for ln in log.splitlines() if "kvtier:" in ln or "remote tier" in ln]
+    return lines[:limit] + ([f"... {len(lines) - limit} more"] if len(lines) > limit else [])
 
 
 def summarize(
