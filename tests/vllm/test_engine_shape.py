@@ -298,6 +298,38 @@ def test_a_lookup_that_timed_out_is_asked_again_not_cut_short(
         next(servers, None)
 
 
+def test_a_step_that_schedules_nothing_waits_for_the_lookups_out(
+    engines: list[ParallelEngine], tmp_path: Path
+) -> None:
+    """The engine's empty steps while Redis lookups are out (each runs every worker) left
+    a tensor-parallel engine's lookups too little CPU; such a step now waits for them."""
+    from types import SimpleNamespace
+
+    from kvtier.vllm.offloading.kvtier_connector import wait_for_lookups
+
+    servers = serve_redis(tmp_path)
+    server = next(servers)
+    try:
+        # a timeout that never ends the pause: the lookups stay out until it does
+        extra = {"redis_url": server.url, "redis_socket_timeout_s": 60.0}
+        engine = ParallelEngine({"cpu_bytes_to_use": 2 * BLOCK_BYTES} | extra)
+        engines.append(engine)
+        keys = keys_of(3)
+        server.pause()
+        try:
+            assert engine.hits(keys) == [False] * 3
+            busy, idle = (SimpleNamespace(total_num_scheduled_tokens=n) for n in (7, 0))
+            assert not wait_for_lookups(engine.manager, busy)  # a step with work: no wait
+            assert not engine.manager.wait_lookups(0.0)
+            assert wait_for_lookups(engine.manager, idle)  # waited (and they are still out)
+        finally:
+            server.resume()
+        assert engine.manager.wait_lookups(30)
+        assert wait_for_lookups(engine.manager, idle)  # nothing out: returns at once
+    finally:
+        next(servers, None)
+
+
 def test_a_rank_whose_redis_tier_fails_to_open_closes_those_opened(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
