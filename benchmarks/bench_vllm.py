@@ -152,6 +152,14 @@ SHAPES: dict[str, tuple[ModelShape, int]] = {
 }
 
 
+# Redis's per-call timeouts in these engines. A store job carries a whole prompt (two
+# when the worker merges queued jobs: 256 blocks, 100 MB per worker at 4,096 tokens),
+# and on this 2-core machine, with the engine computing on both cores, the two workers
+# of a tensor-parallel writer could not send that within the default 0.25 s: its stores
+# failed and the Redis engine found part of A (0 and 3,328 of 4,096 tokens in two runs).
+REDIS_TIMEOUTS = {"redis_socket_timeout_s": 5.0, "redis_connect_timeout_s": 5.0}
+
+
 def kvtier_config(tier: str, disk_path: Path, redis_url: str, size: Size = FULL) -> dict[str, Any]:
     """The kv_transfer_config of each kvtier engine (the one place to change it).
 
@@ -160,14 +168,13 @@ def kvtier_config(tier: str, disk_path: Path, redis_url: str, size: Size = FULL)
     """
     cpu = 4 * size.kv_bytes  # A, B and C all fit: A's return is a CPU hit
     disk = {"disk_path": str(disk_path), "disk_bytes_to_use": 4 * size.kv_bytes}
+    redis = {"redis_url": redis_url, **REDIS_TIMEOUTS}
     if tier == "writer":
-        return transfer_config(
-            cpu_bytes_to_use=cpu, **disk, disk_writes="write_through", redis_url=redis_url
-        )
+        return transfer_config(cpu_bytes_to_use=cpu, **disk, disk_writes="write_through", **redis)
     if tier == "disk":
         return transfer_config(cpu_bytes_to_use=cpu, **disk)
     if tier == "redis":
-        return transfer_config(cpu_bytes_to_use=cpu, redis_url=redis_url)
+        return transfer_config(cpu_bytes_to_use=cpu, **redis)
     raise ValueError(f"tier {tier!r}; known: writer, disk, redis")
 
 
