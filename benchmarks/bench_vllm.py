@@ -156,7 +156,8 @@ SHAPES: dict[str, tuple[ModelShape, int]] = {
 # when the worker merges queued jobs: 256 blocks, 100 MB per worker at 4,096 tokens),
 # and on this 2-core machine, with the engine computing on both cores, the two workers
 # of a tensor-parallel writer could not send that within the default 0.25 s: its stores
-# failed and the Redis engine found part of A (0 and 3,328 of 4,096 tokens in two runs).
+# failed and the Redis engine found part of A (0 and 3,328 of 4,096 tokens in two runs;
+# with these, some 128-block stores still fail there, why is open).
 REDIS_TIMEOUTS = {"redis_socket_timeout_s": 5.0, "redis_connect_timeout_s": 5.0}
 
 
