@@ -32,7 +32,8 @@ Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a bu
    on a busy machine, written to vllm_1024.json).
    The same rows on two other engine shapes (issue 23, `--shapes`): `hybrid`, the
    model's hybrid variant (Gemma-3-shaped: 20 sliding-window layers of 512 tokens, 4
-   full-attention; kvtier moves the window's blocks of the sliding groups only), and
+   full-attention; kvtier moves the window's blocks of the sliding groups only; its
+   pool, 1,056 blocks at 4,096 tokens, is shared by its six KV-cache groups), and
    `tp`, the model on two tensor-parallel workers (each moves its half of every block;
    the copy rate sums both workers' copies over both workers' seconds, so it is per
    worker); each shape's results go to vllm_<shape>[_<tokens>].json.
@@ -81,6 +82,9 @@ from kvtier.vllm.engines.compare import same_cpus_env
 BLOCK = 32
 BLOCK_BYTES = QWEN2_05B.kv_bytes(BLOCK)
 SETTLE_S = 5.0  # before a timed return: the tiers' asynchronous writes finish first
+# vLLM's CPU build's max_num_batched_tokens for the LLM class, per worker (its
+# EngineArgs defaults): one prefill step's tokens, which a sliding-window group holds
+CPU_BATCHED_TOKENS = 4096
 TARGET_VS_RECOMPUTE = 20.0
 TARGET_VS_POOL_HIT = 3.0
 TARGET_VS_RAW = 0.5
@@ -108,7 +112,24 @@ class Size:
 
     @property
     def pool_blocks(self) -> int:
-        return self.prompt_tokens * 300 // 4096
+        """One prompt's peak in the pool, plus 171/128 of what a finished prompt leaves
+        cached there (the base model: 129 + 171 = 300 blocks at 4,096 tokens), so that
+        A, B and C overflow it and C's prefill evicts A in every shape.
+
+        The peak is what vLLM reserves for a request of `max_model_len` in every
+        KV-cache group (its admission check): a whole prompt's blocks in a
+        full-attention group, and in a sliding-window group the window plus one step's
+        tokens, capped by the prompt (a one-step prefill writes every token's KV before
+        the blocks that left the window are freed). What stays cached is every block of
+        a full-attention group and the window's of a sliding one."""
+        full, sliding = self.model.kv_cache_groups
+        blocks = self.prompt_tokens // BLOCK
+        model_len = self.prompt_tokens + BLOCK  # the engine's max_model_len (see _job)
+        window = self.model.sliding_window or 0
+        step = min(window - 1 + CPU_BATCHED_TOKENS * self.tensor_parallel, model_len)
+        peak = full * -(-model_len // BLOCK) + sliding * (-(-step // BLOCK) + 1)
+        cached = full * blocks + sliding * (window // BLOCK)
+        return peak + cached * 171 // 128
 
     @property
     def kv_bytes(self) -> int:
@@ -131,6 +152,15 @@ SHAPES: dict[str, tuple[ModelShape, int]] = {
 }
 
 
+# Redis's per-call timeouts in these engines. A store job carries a whole prompt (two
+# when the worker merges queued jobs: 256 blocks, 100 MB per worker at 4,096 tokens),
+# and on this 2-core machine, with the engine computing on both cores, the two workers
+# of a tensor-parallel writer could not send that within the default 0.25 s: its stores
+# failed and the Redis engine found part of A (0 and 3,328 of 4,096 tokens in two runs;
+# with these, some 128-block stores still fail there, why is open).
+REDIS_TIMEOUTS = {"redis_socket_timeout_s": 5.0, "redis_connect_timeout_s": 5.0}
+
+
 def kvtier_config(tier: str, disk_path: Path, redis_url: str, size: Size = FULL) -> dict[str, Any]:
     """The kv_transfer_config of each kvtier engine (the one place to change it).
 
@@ -139,14 +169,13 @@ def kvtier_config(tier: str, disk_path: Path, redis_url: str, size: Size = FULL)
     """
     cpu = 4 * size.kv_bytes  # A, B and C all fit: A's return is a CPU hit
     disk = {"disk_path": str(disk_path), "disk_bytes_to_use": 4 * size.kv_bytes}
+    redis = {"redis_url": redis_url, **REDIS_TIMEOUTS}
     if tier == "writer":
-        return transfer_config(
-            cpu_bytes_to_use=cpu, **disk, disk_writes="write_through", redis_url=redis_url
-        )
+        return transfer_config(cpu_bytes_to_use=cpu, **disk, disk_writes="write_through", **redis)
     if tier == "disk":
         return transfer_config(cpu_bytes_to_use=cpu, **disk)
     if tier == "redis":
-        return transfer_config(cpu_bytes_to_use=cpu, redis_url=redis_url)
+        return transfer_config(cpu_bytes_to_use=cpu, **redis)
     raise ValueError(f"tier {tier!r}; known: writer, disk, redis")
 
 
@@ -238,7 +267,15 @@ def _timed_run(label: str, job: EngineJob) -> JobResult:
     print(f"   engine: {label} ...", flush=True)
     result = run_job(job, timeout_s=1800)
     print(f"   engine: {label}: started in {result.start_s:.1f} s", flush=True)
+    for line in kvtier_warnings(result.log):  # a row that missed says why here
+        print(f"     {line}", flush=True)
     return result
+
+
+def kvtier_warnings(log: str, limit: int = 20) -> list[str]:
+    """The engine log's lines from kvtier (failed transfers, a Redis tier skipped)."""
+    lines = [ln for ln in log.splitlines() if "kvtier:" in ln or "remote tier" in ln]
+    return lines[:limit] + ([f"... {len(lines) - limit} more"] if len(lines) > limit else [])
 
 
 def summarize(

@@ -137,6 +137,7 @@ def test_open_breaker_offers_nothing_to_store(redis_server: RedisServer) -> None
     clock.advance(5.0)
     store_all(manager, H[:4])  # the probe is the store itself
     assert manager.lookup(H) == 4
+    tier.close()  # (its socket, left to the collector, warned in a later test)
 
 
 def test_unknown_option_lists_the_known_ones(redis_server: RedisServer) -> None:
@@ -245,6 +246,64 @@ def test_async_lookup_against_a_dead_server_answers_misses(redis_server: RedisSe
         assert tier.stats.errors == 1
 
 
+def test_a_lookup_whose_round_trip_failed_is_asked_again_not_a_miss(
+    redis_server: RedisServer,
+) -> None:
+    """A round trip that timed out (on a loaded machine the server or the lookup thread
+    got no CPU for the socket timeout) says nothing about the blocks. Answered as a miss,
+    a tensor-parallel engine loaded only the prefix before the block whose lookup timed
+    out (32 or 128 of 192 tokens). The question is asked again instead."""
+    tier = RemoteTier.from_url(
+        redis_server.url, FP, block_size=16, clock=FakeClock(), socket_timeout_s=0.2
+    )
+    try:
+        store_all(tier.manager(synthetic_payload_bytes=32), H[:4])
+        manager = tier.manager(async_lookup=True)
+        redis_server.pause()
+        try:
+            assert manager.lookup(H) is None
+            assert manager.wait_lookups(timeout=30)  # its round trip timed out
+        finally:
+            redis_server.resume()
+        assert tier.stats.errors == 1
+        assert manager.lookup(H) is None  # no answer: asked again (it was a miss, 0)
+        assert manager.wait_lookups(timeout=30)
+        assert manager.lookup(H) == 4
+    finally:
+        tier.close()
+
+
+def test_lookups_of_a_dead_server_are_misses_once_the_breaker_opens(
+    redis_server: RedisServer,
+) -> None:
+    """Asking again is bounded: each failed round trip counts towards the breaker, and
+    once it opens the tier is down and every answer is a miss."""
+    threshold = 3
+    tier = RemoteTier.from_url(
+        redis_server.url,
+        FP,
+        block_size=16,
+        clock=FakeClock(),
+        breaker=BreakerConfig(failure_threshold=threshold, reset_timeout_s=5.0),
+    )
+    try:
+        manager = tier.manager(async_lookup=True)
+        redis_server.kill()
+        answers = []
+        for _ in range(threshold):
+            answers.append(manager.lookup(H))
+            assert manager.wait_lookups(timeout=30)
+        assert answers == [None] * threshold
+        assert manager.lookup(H) == 0  # the third failure opened the breaker
+        assert tier.stats.errors == threshold
+        assert manager.lookup(H[:2]) is None  # while it is open: asked, and refused
+        assert manager.wait_lookups(timeout=30)
+        assert manager.lookup(H[:2]) == 0
+        assert tier.stats.errors == threshold
+    finally:
+        tier.close()
+
+
 def test_async_questions_are_bounded_oldest_forgotten_first(redis_server: RedisServer) -> None:
     with tier_for(redis_server) as tier:
         store_all(tier.manager(synthetic_payload_bytes=8), H[:3])
@@ -261,18 +320,21 @@ def test_async_questions_are_bounded_oldest_forgotten_first(redis_server: RedisS
 
 
 class _BlockingStore:
-    """A `count_prefix` that holds the lookup thread until released, recording calls."""
+    """A `try_count_prefixes` that holds the lookup thread until released, recording the
+    length of each question of each call."""
 
     def __init__(self) -> None:
-        self.calls: list[int] = []
+        self.calls: list[list[int]] = []
         self.started = threading.Event()
         self.release = threading.Event()
 
-    def count_prefix(self, block_hashes: Sequence[BlockHash], salt: str | None) -> int:
-        self.calls.append(len(block_hashes))
+    def try_count_prefixes(
+        self, questions: Sequence[Sequence[BlockHash]], salt: str | None
+    ) -> list[int]:
+        self.calls.append([len(q) for q in questions])
         self.started.set()
         assert self.release.wait(timeout=30)
-        return 0
+        return [0] * len(questions)
 
 
 def test_forgotten_questions_are_not_sent() -> None:
@@ -285,7 +347,25 @@ def test_forgotten_questions_are_not_sent() -> None:
         assert lookups.lookup(H[:3]) is None  # forgets H[:2] before it was sent
         store.release.set()
         assert lookups.wait(timeout=30)
-        assert store.calls == [1, 3]
+        assert store.calls == [[1], [3]]
+    finally:
+        store.release.set()
+        lookups.close()
+
+
+def test_questions_asked_during_a_round_trip_share_the_next_one() -> None:
+    """vLLM asks block by block: a 4,096-token prompt is 128 questions in one step, which
+    one round trip each made wait on each other."""
+    store = _BlockingStore()
+    lookups = AsyncLookups(cast(Any, store), None)
+    try:
+        assert lookups.lookup(H[:1]) is None
+        assert store.started.wait(timeout=30)  # its round trip holds the thread
+        assert [lookups.lookup([h]) for h in H[1:4]] == [None] * 3
+        store.release.set()
+        assert lookups.wait(timeout=30)
+        assert store.calls == [[1], [1, 1, 1]]
+        assert [lookups.lookup([h]) for h in H[:4]] == [0, 0, 0, 0]
     finally:
         store.release.set()
         lookups.close()

@@ -34,6 +34,22 @@ def test_store_then_load_round_trip(redis_server: RedisServer) -> None:
     assert stats.stored_bytes == stats.loaded_bytes == sum(map(len, PAYLOADS))
 
 
+def test_several_lookups_in_one_round_trip_answer_as_each_alone(
+    redis_server: RedisServer,
+) -> None:
+    store = connect(redis_server)
+    store.store(HASHES[:5], PAYLOADS[:5])
+    redis_server.client().delete(store.key(HASHES[3]))
+    questions = [HASHES[:1], HASHES[1:], [HASHES[6]], [], HASHES[4:5]]
+    assert store.try_count_prefixes(questions) == [1, 2, 0, 0, 1]
+    assert [store.count_prefix(q) for q in questions] == [1, 2, 0, 0, 1]
+    assert (store.stats.lookups, store.stats.lookup_hit_blocks) == (9, 8)  # (no call for [])
+    redis_server.kill()
+    assert store.try_count_prefixes(questions) is None  # no answer: not 0 each
+    assert store.count_prefix(HASHES) == 0
+    store.close()
+
+
 def test_lookup_stops_at_the_first_hole(redis_server: RedisServer) -> None:
     store = connect(redis_server)
     store.store(HASHES, PAYLOADS)

@@ -157,6 +157,23 @@ def test_same_cpus_env_gives_both_sides_the_same_cores(monkeypatch: pytest.Monke
         same_cpus_env(0)
 
 
+def test_bench_vllm_sizes_the_pool_of_a_hybrid_engine_for_every_kv_cache_group() -> None:
+    """A hybrid engine's pool is shared by its six KV-cache groups (4 full-attention
+    layers, 20 sliding-window layers of 512 tokens: five groups of four), and vLLM
+    refuses to start one smaller than a whole prompt in every group (the base model's
+    75 blocks at 1,024 tokens stopped it). At 1,024 tokens (max_model_len 1,056): 33
+    blocks for the full group and 34 for each sliding one, 203 at the peak; a finished
+    prompt leaves 32 + 5 x 16 = 112 cached, and the base model's 171/128 of that on top."""
+    hybrid = bench_vllm.SHAPES["hybrid"]
+    assert hybrid[0].kv_cache_groups == (1, 5)
+    assert bench_vllm.QWEN2_05B.kv_cache_groups == (1, 0)
+    assert bench_vllm.Size(1024, *hybrid, shape="hybrid").pool_blocks == 203 + 112 * 171 // 128
+    assert bench_vllm.Size(4096, *hybrid, shape="hybrid").pool_blocks == 779 + 208 * 171 // 128
+    assert [bench_vllm.Size(t).pool_blocks for t in (1024, 4096)] == [75, 300]
+    tp = bench_vllm.SHAPES["tp"]
+    assert bench_vllm.Size(4096, *tp, shape="tp").pool_blocks == 300
+
+
 def test_bench_vllm_engines_share_cpus_and_report_their_cold_prompts(tmp_path: Path) -> None:
     size = bench_vllm.Size(1024)
     assert (size.pool_blocks, size.kv_bytes) == (75, bench_vllm.QWEN2_05B.kv_bytes(1024))

@@ -197,15 +197,9 @@ def test_another_engine_of_the_same_layout_reads_redis(
 ) -> None:
     scenario: Scenario = request.getfixturevalue(name)
     from_redis = only(scenario.c, "from_redis")
-    if name == "tp_scenario":
-        # Known gap (open): on a loaded 2-core machine a two-worker engine sometimes gets
-        # only a prefix from Redis (32 or 128 of 192 tokens seen; whole when run alone).
-        # What must hold always: some blocks come back, whole blocks, and the output is
-        # the pool hit's (a shard of another store or another worker would change it).
-        cached = from_redis.num_cached_tokens
-        assert 0 < cached <= CACHEABLE_TOKENS and cached % BLOCK == 0
-    else:
-        assert from_redis.num_cached_tokens == CACHEABLE_TOKENS  # written by engine A
+    # whole, also on a loaded machine: a lookup round trip that timed out there is asked
+    # again, not a miss that cut the prefix short (test_engine_shape)
+    assert from_redis.num_cached_tokens == CACHEABLE_TOKENS  # written by engine A
     assert_same_output(from_redis, scenario.a.round(FIRST)[0])
 
 

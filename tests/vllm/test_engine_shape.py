@@ -263,6 +263,110 @@ def test_redis_offers_a_block_only_when_every_rank_holds_its_shard(
         next(servers, None)
 
 
+def test_a_lookup_that_timed_out_is_asked_again_not_cut_short(
+    engines: list[ParallelEngine], tmp_path: Path
+) -> None:
+    """What cut a tensor-parallel engine's return from Redis short on a loaded machine
+    (32 or 128 of 192 tokens): the ranks' lookups of one block timed out, that block was
+    answered as a miss, and vLLM loaded the blocks before it. Not known is not a miss."""
+    servers = serve_redis(tmp_path)
+    server = next(servers)
+    try:
+        extra = {"cpu_bytes_to_use": 2 * BLOCK_BYTES, "redis_url": server.url}
+        writer = ParallelEngine(extra)
+        engines.append(writer)
+        keys = keys_of(2)
+        writer.compute([0, 1], seed=4)
+        assert not writer.store(keys, [0, 1])
+
+        reader = ParallelEngine(extra)
+        engines.append(reader)
+        assert reader.hits(keys[:1]) == [False]  # asked every rank's shard
+        assert reader.manager.remote.wait_lookups(timeout=30)
+        server.pause()  # the next round trips time out (0.25 s)
+        try:
+            assert reader.hits(keys) == [True, False]
+            assert reader.manager.remote.wait_lookups(timeout=30)
+        finally:
+            server.resume()
+        assert reader.manager.remote.store.stats.errors == 1  # (rank 0's store's count)
+        asked = [reader.manager.lookup(k, reader.ctx) for k in keys]
+        assert asked == [LookupResult.HIT, LookupResult.RETRY]  # block 1 was a MISS
+        assert reader.manager.remote.wait_lookups(timeout=30)
+        assert reader.hits(keys) == [True, True]
+    finally:
+        next(servers, None)
+
+
+def test_a_step_that_schedules_nothing_waits_for_the_lookups_out(
+    engines: list[ParallelEngine], tmp_path: Path
+) -> None:
+    """The engine's empty steps while Redis lookups are out (each runs every worker) left
+    a tensor-parallel engine's lookups too little CPU; such a step now waits for them."""
+    from types import SimpleNamespace
+
+    from kvtier.vllm.offloading.kvtier_connector import wait_for_lookups
+
+    servers = serve_redis(tmp_path)
+    server = next(servers)
+    try:
+        # a timeout that never ends the pause: the lookups stay out until it does
+        extra = {"redis_url": server.url, "redis_socket_timeout_s": 60.0}
+        engine = ParallelEngine({"cpu_bytes_to_use": 2 * BLOCK_BYTES} | extra)
+        engines.append(engine)
+        keys = keys_of(3)
+        server.pause()
+        try:
+            assert engine.hits(keys) == [False] * 3
+            busy, idle = (SimpleNamespace(total_num_scheduled_tokens=n) for n in (7, 0))
+            assert not wait_for_lookups(engine.manager, busy)  # a step with work: no wait
+            assert not engine.manager.wait_lookups(0.0)
+            assert wait_for_lookups(engine.manager, idle)  # waited (and they are still out)
+        finally:
+            server.resume()
+        assert engine.manager.wait_lookups(30)
+        assert wait_for_lookups(engine.manager, idle)  # nothing out: returns at once
+    finally:
+        next(servers, None)
+
+
+def test_a_rank_whose_redis_tier_fails_to_open_closes_those_opened(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from kvtier.remote.redis_store import RemoteStartupError
+    from kvtier.remote.tier import RemoteTier
+
+    opened: list[RemoteTier] = []
+    closed: list[RemoteTier] = []
+    from_url = RemoteTier.from_url
+
+    def open_rank(*args: Any, **kwargs: Any) -> RemoteTier:
+        if opened:
+            raise RemoteStartupError("rank 1 refused")
+        tier = from_url(*args, **kwargs)
+        monkeypatch.setattr(tier, "close", lambda: closed.append(tier))
+        opened.append(tier)
+        return tier
+
+    servers = serve_redis(tmp_path)
+    server = next(servers)
+    try:
+        monkeypatch.setattr(RemoteTier, "from_url", open_rank)
+        extra = {"cpu_bytes_to_use": 2 * BLOCK_BYTES, "redis_url": server.url}
+        token = UNDER_KVTIER_CONNECTOR.set(True)
+        try:
+            spec = KvtierOffloadingSpec(config(extra, tp=2))
+        finally:
+            UNDER_KVTIER_CONNECTOR.reset(token)
+        with pytest.raises(RemoteStartupError, match="rank 1 refused"):
+            spec.get_manager()
+        assert len(opened) == 1 and closed == opened  # rank 0's connection not leaked
+        for tier in opened:
+            RemoteTier.close(tier)  # the real close
+    finally:
+        next(servers, None)
+
+
 def test_shards_are_named_by_rank_parallel_layout_and_groups(tmp_path: Path) -> None:
     one = layout_for(config({}))
     rank0, rank1 = (layout_for(config({}, tp=2, rank=r)) for r in (0, 1))

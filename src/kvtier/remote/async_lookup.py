@@ -3,15 +3,25 @@
 A synchronous lookup costs the scheduler one Redis round trip per request per
 step. With this, the first `lookup` of a prefix submits it to a background
 thread and answers None; the scheduler asks again on a later step and gets the
-count once it is there (and a repeated question after that starts a fresh one,
-so an answer is never older than one scheduling round). Unanswered questions
-are bounded: the oldest is forgotten first (and not sent, if it has not started:
-the executor's queue is bounded by the same number).
+count once it is there (and a repeated question after that starts a fresh one).
+Unanswered questions are bounded: the oldest is forgotten first (and not sent,
+if it has not started: the executor's queue is bounded by the same number). The
+questions queued while the thread waits on a round trip go out together in the
+next one (`try_count_prefixes`): vLLM asks block by block, a prompt's blocks in
+one step, and one round trip per block made a 4,096-token prompt wait on 128 of
+them in turn, each one slow on a busy machine.
+
+A round trip that failed (a timeout: on a loaded machine the server or this
+thread may get no CPU for the whole socket timeout) is no answer: the question is
+sent again, and answered as a miss only once the circuit breaker says the tier is
+down. Answered as a miss at once, it cut a prefix short at the block whose lookup
+timed out: vLLM asks block by block, and loads the hits before the first miss.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -30,9 +40,12 @@ class AsyncLookups:
         self.store = store
         self.salt = salt
         self.max_pending = max_pending
-        self._pending: OrderedDict[tuple[BlockHash, ...], Future[int]] = OrderedDict()
+        self._pending: OrderedDict[tuple[BlockHash, ...], Future[int | None]] = OrderedDict()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
         self._seconds: deque[float] = deque(maxlen=max_pending)  # appended off-thread
+        # questions not sent yet: (block hashes, salt, future); taken by the thread
+        self._queued: deque[tuple[list[BlockHash], str | None, Future[int | None]]] = deque()
+        self._lock = threading.Lock()
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int | None:
         key = tuple(block_hashes)
@@ -41,22 +54,45 @@ class AsyncLookups:
             if len(self._pending) >= self.max_pending:
                 _, forgotten = self._pending.popitem(last=False)
                 forgotten.cancel()  # no answer will be asked for: don't queue its round trip
-            self._pending[key] = self._executor.submit(self._timed, list(block_hashes), self.salt)
+            future = self._pending[key] = Future()
+            with self._lock:
+                self._queued.append((list(block_hashes), self.salt, future))
+            self._executor.submit(self._send_queued)  # finds it sent already, or sends it
             return None
         if not future.done():
             return None
         del self._pending[key]
         try:
-            return future.result()
-        except Exception:  # count_prefix never raises; a bug must not reach the scheduler
+            found = future.result()
+        except Exception:  # the store never raises; a bug must not reach the scheduler
             log.exception("remote tier: background lookup failed; answering a miss")
             return 0
-
-    def _timed(self, block_hashes: list[BlockHash], salt: str | None) -> int:
-        started = time.perf_counter()
-        found = self.store.count_prefix(block_hashes, salt)
-        self._seconds.append(time.perf_counter() - started)
+        if found is None:  # the server gave no answer
+            if self.store.breaker.rejecting():
+                return 0  # the tier is down: a miss, until the breaker lets calls through
+            return self.lookup(block_hashes)  # not known: asked again
         return found
+
+    def _send_queued(self) -> None:
+        """Every question queued so far (not forgotten), in one round trip per salt."""
+        with self._lock:
+            queued, self._queued = self._queued, deque()
+        batches: dict[str | None, list[tuple[list[BlockHash], Future[int | None]]]] = {}
+        for hashes, salt, future in queued:
+            if future.set_running_or_notify_cancel():  # False: forgotten, never sent
+                batches.setdefault(salt, []).append((hashes, future))
+        for salt, batch in batches.items():
+            started = time.perf_counter()
+            try:
+                found = self.store.try_count_prefixes([h for h, _ in batch], salt)
+            except Exception as exc:  # a bug: each question's answer raises it
+                for _, future in batch:
+                    future.set_exception(exc)
+                continue
+            self._seconds.append(time.perf_counter() - started)
+            answers: list[int | None] = [None] * len(batch) if found is None else [*found]
+            for (_, future), answer in zip(batch, answers, strict=True):
+                future.set_result(answer)
 
     def take_seconds(self) -> list[float]:
         """Each round trip's seconds since the last call (at most the last `max_pending`)."""
@@ -78,4 +114,6 @@ class AsyncLookups:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        for future in self._pending.values():
+            future.cancel()  # those never sent: nobody waits on them forever
         self._pending.clear()

@@ -144,8 +144,17 @@ class RedisBlockStore:
         Stops at the first hole: a chain whose middle was evicted is only useful
         up to the hole. Headers are fetched (GETRANGE, 48 bytes) rather than
         EXISTS so a value of another fingerprint or format is ignored here,
-        before anyone plans a load of it.
+        before anyone plans a load of it. A failed or refused call counts none.
         """
+        found = self.try_count_prefix(block_hashes, salt)
+        return 0 if found is None else found
+
+    def try_count_prefix(
+        self, block_hashes: Sequence[bytes], salt: str | None = None
+    ) -> int | None:
+        """`count_prefix`, or None when the server gave no answer (the call failed, or
+        the breaker refused it): a caller that can ask again later tells "not known"
+        from "not there" (`async_lookup`)."""
         if not block_hashes:
             return 0
         keys = self._keys(block_hashes, salt)
@@ -157,8 +166,29 @@ class RedisBlockStore:
         found: tuple[int, bytes] | None = self._guarded("lookup", call, None)
         if found is None:
             self._counters.add(lookups=1)
-            return 0
-        num_hits, stopper = found
+            return None
+        return self._counted(block_hashes, *found)
+
+    def try_count_prefixes(
+        self, questions: Sequence[Sequence[bytes]], salt: str | None = None
+    ) -> list[int] | None:
+        """`try_count_prefix` of each prefix, all in one round trip (a pipeline of header
+        reads), or None when the server gave no answer. vLLM asks block by block, so the
+        lookups one scheduler step starts cost one round trip, not one each: on a busy
+        machine each round trip waits its turn for the CPU (the server's and this one's)."""
+        if len(questions) == 1:
+            found = self.try_count_prefix(questions[0], salt)
+            return None if found is None else [found]
+        keys = [self._keys(q, salt) for q in questions]
+        call = partial(self._pipelined_prefixes, keys, questions)
+        answers: list[tuple[int, bytes]] | None = self._guarded("lookup", call, None)
+        if answers is None:
+            self._counters.add(lookups=len(questions))
+            return None
+        return [self._counted(q, *a) for q, a in zip(questions, answers, strict=True)]
+
+    def _counted(self, block_hashes: Sequence[bytes], num_hits: int, stopper: bytes) -> int:
+        """Count one answered lookup (and why a present block was refused)."""
         if stopper:  # present but refused: say why
             status = self.codec.check_prefix(block_hashes[num_hits], stopper)
             self._counters.add(**{_REFUSED.get(status, "malformed_blocks"): 1})
@@ -242,11 +272,27 @@ class RedisBlockStore:
         self, keys: list[bytes], block_hashes: Sequence[bytes]
     ) -> tuple[int, bytes]:
         """(leading valid blocks, header of the refused block that stopped them or b"")."""
+        return self._pipelined_prefixes([keys], [block_hashes])[0]
+
+    def _pipelined_prefixes(
+        self, keys: list[list[bytes]], questions: Sequence[Sequence[bytes]]
+    ) -> list[tuple[int, bytes]]:
+        """`_pipelined_prefix` of each question, in one pipeline."""
         pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.getrange(key, 0, HEADER_SIZE - 1)
-        check = self.codec.check_prefix
+        for question_keys in keys:
+            for key in question_keys:
+                pipe.getrange(key, 0, HEADER_SIZE - 1)
         replies = pipe.execute(raise_on_error=False)  # a key of another type: refused, below
+        answers, start = [], 0
+        for block_hashes in questions:
+            answers.append(
+                self._prefix_of(block_hashes, replies[start : start + len(block_hashes)])
+            )
+            start += len(block_hashes)
+        return answers
+
+    def _prefix_of(self, block_hashes: Sequence[bytes], replies: list[Any]) -> tuple[int, bytes]:
+        check = self.codec.check_prefix
         for i, (block_hash, prefix) in enumerate(zip(block_hashes, replies, strict=True)):
             if isinstance(prefix, ResponseError):
                 return i, b"not a string value"
@@ -254,7 +300,7 @@ class RedisBlockStore:
                 return i, b""
             if check(block_hash, prefix) is not DecodeStatus.OK:
                 return i, prefix
-        return len(keys), b""
+        return len(block_hashes), b""
 
     def _scripted_prefix(
         self, script: Script, keys: list[bytes], block_hashes: Sequence[bytes]

@@ -38,6 +38,23 @@ class ModelShape:
             for i in range(self.layers)
         ]
 
+    @property
+    def kv_cache_groups(self) -> tuple[int, int]:
+        """(full-attention, sliding-window) KV-cache groups vLLM 0.32 makes of the layers:
+        each group has as many layers as the rarer kind (or the commoner, when it has
+        fewer than 1.5 times as many), so that every group's block is one page size
+        (`_get_kv_cache_groups_uniform_page_size`). The engine's pool is shared by them."""
+        if self.sliding_window is None:
+            return 1, 0
+        full = self.layer_types.count("full_attention")
+        sliding = self.layers - full
+        if not full or not sliding:
+            return int(full > 0), int(sliding > 0)
+        size = min(full, sliding)
+        if max(full, sliding) < 1.5 * size:
+            size = max(full, sliding)
+        return math.ceil(full / size), math.ceil(sliding / size)
+
     def kv_bytes(self, tokens: int, itemsize: int = 4) -> int:
         """Bytes of K and V for `tokens` tokens over all layers."""
         return self.layers * 2 * tokens * self.kv_heads * self.head_dim * itemsize

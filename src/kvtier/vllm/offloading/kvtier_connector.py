@@ -19,8 +19,10 @@ and one thing more (the last point):
   unions their load errors), so a block one worker failed on fails on all of them.
 - at start: models with other than attention layers (Mamba) are refused by name.
 - a step with nothing to compute (every request waits for its KV) waits a few
-  milliseconds for the oldest load before it returns, rather than letting the engine
-  spin through empty steps on the cores the copy runs on.
+  milliseconds for the oldest load before it returns, and a step that schedules
+  nothing while Redis lookups are out waits as long for their answers, rather than
+  letting the engine spin through empty steps on the cores the copy and the lookups
+  (and the Redis server, on a small machine) run on.
 
 Everything else, scheduling included, is vLLM's own code.
 """
@@ -89,9 +91,21 @@ def worker_meta(meta: OffloadingWorkerMetadata | None, report: WorkerReport) -> 
     )
 
 
-# How long an empty engine step waits for a load: longer frees more of the copy's core,
-# but delays a request that arrives meanwhile by as much.
+# How long an empty engine step waits for a load or a lookup: longer frees more of the
+# copy's core, but delays a request that arrives meanwhile by as much.
 IDLE_STEP_WAIT_S = 0.005
+
+
+def wait_for_lookups(manager: Any, scheduler_output: Any) -> bool:
+    """On a step that schedules nothing, wait (up to IDLE_STEP_WAIT_S) for the manager's
+    lookups in flight (answers vLLM is told to ask for again); whether it waited. Each
+    empty step runs every worker, and a tensor-parallel engine's empty steps left the
+    Redis lookups of a 4,096-token prompt too little CPU to answer within the timeout."""
+    wait = getattr(manager, "wait_lookups", None)
+    if wait is None or scheduler_output.total_num_scheduled_tokens:
+        return False
+    wait(IDLE_STEP_WAIT_S)
+    return True
 
 
 class KvtierConnector(OffloadingConnector):
@@ -154,6 +168,11 @@ class KvtierConnector(OffloadingConnector):
         meta = super().build_connector_worker_meta()
         worker = self._kvtier_worker()
         return worker_meta(meta, worker.take_report() if worker is not None else WorkerReport())
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if self.connector_scheduler is not None:
+            wait_for_lookups(self.connector_scheduler.manager, scheduler_output)
+        return super().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

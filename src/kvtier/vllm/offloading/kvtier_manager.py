@@ -234,6 +234,11 @@ class KvtierOffloadingManager(OffloadingManager):
         self.tier_stats.add("hit_blocks", "redis", 1)
         return self._hit(block_hash, REMOTE)
 
+    def wait_lookups(self, timeout: float | None = None) -> bool:
+        """Block (up to `timeout`) until the Redis tier's lookups in flight are answered."""
+        wait = getattr(self.remote, "wait_lookups", None)
+        return True if wait is None else bool(wait(timeout))
+
     def _hit(self, block_hash: BlockHash, tier: str) -> LookupResult:
         self._found[block_hash] = tier
         self._found.move_to_end(block_hash)

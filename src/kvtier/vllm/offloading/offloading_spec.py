@@ -109,7 +109,11 @@ class KvtierOffloadingSpec(OffloadingSpec):
         remote: KvtierManager | None = tiers.remote_manager
         close_remote = None
         if sharded:
-            remote, close_remote = self._sharded_remote(stack.enable_events)
+            try:
+                remote, close_remote = self._sharded_remote(stack.enable_events)
+            except BaseException:
+                tiers.close()
+                raise
 
         def take_discards() -> list[BlockHash]:
             taken = list(discards)
@@ -155,13 +159,20 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def _sharded_remote(self, events: bool) -> tuple[KvtierManager, Any]:
         """The Redis tier's manager of a multi-worker engine on the scheduler side: a
         block is there only if every worker's shard is (see `shard_lookup`)."""
-        tiers = [self._open_remote(rank) for rank in range(self.config.parallel.world_size)]
-        first = tiers[0].manager(enable_events=events, async_lookup=True)
-        others = [tier.manager(async_lookup=True) for tier in tiers[1:]]
+        tiers: list[Any] = []
 
         def close() -> None:
             for tier in tiers:
                 tier.close()
+
+        try:  # a rank that fails to open (a wrong password) closes the ranks opened
+            for rank in range(self.config.parallel.world_size):
+                tiers.append(self._open_remote(rank))
+        except BaseException:
+            close()
+            raise
+        first = tiers[0].manager(enable_events=events, async_lookup=True)
+        others = [tier.manager(async_lookup=True) for tier in tiers[1:]]
 
         return EveryShardLookup(first, others), close
 

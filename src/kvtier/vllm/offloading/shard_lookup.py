@@ -11,6 +11,7 @@ loads and events are the first worker's manager's (the slots are the same for al
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
@@ -51,9 +52,15 @@ class EveryShardLookup(OffloadingManager):
         return min(a for a in answers if a is not None)
 
     def wait_lookups(self, timeout: float | None = None) -> bool:
-        """Block until every worker's asynchronous lookups have answers (tests, tools)."""
-        waits = [getattr(m, "wait_lookups", None) for m in self._managers]
-        return all(wait(timeout) for wait in waits if wait is not None)
+        """Block (up to `timeout` in all) until every worker's asynchronous lookups have
+        answers."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for manager in self._managers:
+            wait = getattr(manager, "wait_lookups", None)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if wait is not None and not wait(left):
+                return False
+        return True
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         return self.first.prepare_load(block_hashes)
