@@ -59,7 +59,7 @@ class ServerConfig:
             "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(self.max_num_seqs),
             "--enable-prefix-caching", "--enforce-eager", "--seed", str(self.seed),
-            "--enable-prompt-tokens-details", "--disable-log-stats",
+            "--enable-prompt-tokens-details",
         ]  # fmt: skip
         if self.max_num_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
