@@ -129,8 +129,7 @@ def _run_side(
         tier: {
             name: value - before.get(tier, {}).get(name, 0.0)
             for name, value in figures.items()
-            if name.endswith(("_blocks", "_failures")) and "capacity" not in name
-            and "used" not in name
+            if not name.startswith(("capacity", "used", "breaker", "lookup_seconds"))
         }
         for tier, figures in after.items()
     }  # fmt: skip
@@ -171,7 +170,7 @@ def _workload(
 ) -> dict[str, Any]:
     workload = make(seed)
     idle: dict[str, Any] = {}
-    for side in SIDES:
+    for side in SIDES if seed % 2 == 0 else SIDES[::-1]:
         server = servers[side]
         summary, tiers = _run_side(server, partial(run_one_by_one, server.url, "model", workload))
         idle[side] = {**asdict(summary), "tiers": tiers}
