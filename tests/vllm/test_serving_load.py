@@ -12,7 +12,6 @@ caches' states, and the figures, are the same on every run.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,8 +21,9 @@ from kvtier.vllm.engines import TINY
 from kvtier.vllm.engines.chat_workloads import multi_turn
 from kvtier.vllm.engines.load_client import Answer, run_one_by_one
 from kvtier.vllm.engines.openai_server import ServerConfig, kvtier_counters, start_servers
-from tests.router.model_dir import words, write_tokenizer
+from tests.router.model_dir import words
 from tests.vllm.conftest import EngineRuns
+from tests.vllm.openai_servers import chat_model
 
 BLOCK = 32
 CONVERSATIONS = 6
@@ -43,11 +43,7 @@ def played(engine_runs: EngineRuns, tiny_model: Path) -> Played:
 def _play(tiny_model: Path, workdir: Path) -> Played:
     from kvtier.vllm import transfer_config
 
-    model = workdir / "model"
-    model.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(tiny_model / name, model / name)
-    write_tokenizer(model, TINY.vocab)
+    model = chat_model(tiny_model, workdir / "model")
     alone = ServerConfig(model, BLOCK, pool_blocks=24, max_model_len=512, max_num_seqs=4)
     kvtier = transfer_config(cpu_bytes_to_use=128 * TINY.kv_bytes(BLOCK))
     configs = {"vllm": alone, "kvtier": replace(alone, kv_transfer_config=kvtier)}
