@@ -371,6 +371,44 @@ def test_questions_asked_during_a_round_trip_share_the_next_one() -> None:
         lookups.close()
 
 
+class _CountingStore:
+    """A `try_count_prefixes` that answers each question with `answer` and counts calls."""
+
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    def try_count_prefixes(
+        self, questions: Sequence[Sequence[BlockHash]], salt: str | None
+    ) -> list[int]:
+        self.calls += 1
+        return [self.answer] * len(questions)
+
+
+def test_an_answer_left_uncollected_is_asked_again_not_handed_out_stale() -> None:
+    """A request that asked and went away leaves an answer; the blocks may have been
+    stored or evicted since, so a later asker of the same prefix gets a fresh one."""
+    now = [0.0]
+    store = _CountingStore(answer=0)
+    lookups = AsyncLookups(cast(Any, store), None, max_age_s=2.0, clock=lambda: now[0])
+    try:
+        assert lookups.lookup(H[:3]) is None
+        assert lookups.wait(timeout=30)
+        assert lookups.lookup(H[:3]) == 0  # collected in time: the answer
+        assert lookups.lookup(H[:3]) is None  # a new question
+        assert lookups.wait(timeout=30)
+        store.answer = 3  # the blocks were stored meanwhile
+        now[0] = 2.5  # ... and the answer waited longer than max_age_s
+        assert lookups.lookup(H[:3]) is None  # asked again
+        assert lookups.wait(timeout=30)
+        assert lookups.lookup(H[:3]) == 3
+        assert store.calls == 3
+        with pytest.raises(ValueError, match="max_age_s must be > 0 seconds, got 0"):
+            AsyncLookups(cast(Any, store), None, max_age_s=0)
+    finally:
+        lookups.close()
+
+
 def test_the_tier_holds_dropped_managers_weakly_and_closes_the_live_ones(
     redis_server: RedisServer,
 ) -> None:

@@ -16,6 +16,10 @@ thread may get no CPU for the whole socket timeout) is no answer: the question i
 sent again, and answered as a miss only once the circuit breaker says the tier is
 down. Answered as a miss at once, it cut a prefix short at the block whose lookup
 timed out: vLLM asks block by block, and loads the hits before the first miss.
+
+An answer nobody collected (the request went away first) is not handed out later: one
+older than `max_age_s` is asked again, since the blocks may have been stored or evicted
+since (a stale hit costs a failed load, a stale miss a recompute).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from kvtier.remote.redis_store import RedisBlockStore
@@ -33,18 +37,33 @@ from kvtier.types import BlockHash
 log = logging.getLogger(__name__)
 
 
+# a question's answer: the count (None: the server gave none) and when it came
+_Answer = tuple[int | None, float]
+
+
 class AsyncLookups:
-    def __init__(self, store: RedisBlockStore, salt: str | None, max_pending: int = 4096) -> None:
+    def __init__(
+        self,
+        store: RedisBlockStore,
+        salt: str | None,
+        max_pending: int = 4096,
+        max_age_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        if not max_age_s > 0:
+            raise ValueError(f"max_age_s must be > 0 seconds, got {max_age_s!r}")
         self.store = store
         self.salt = salt
         self.max_pending = max_pending
-        self._pending: OrderedDict[tuple[BlockHash, ...], Future[int | None]] = OrderedDict()
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._pending: OrderedDict[tuple[BlockHash, ...], Future[_Answer]] = OrderedDict()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
         self._seconds: deque[float] = deque(maxlen=max_pending)  # appended off-thread
         # questions not sent yet: (block hashes, salt, future); taken by the thread
-        self._queued: deque[tuple[list[BlockHash], str | None, Future[int | None]]] = deque()
+        self._queued: deque[tuple[list[BlockHash], str | None, Future[_Answer]]] = deque()
         self._lock = threading.Lock()
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int | None:
@@ -63,10 +82,12 @@ class AsyncLookups:
             return None
         del self._pending[key]
         try:
-            found = future.result()
+            found, answered_at = future.result()
         except Exception:  # the store never raises; a bug must not reach the scheduler
             log.exception("remote tier: background lookup failed; answering a miss")
             return 0
+        if self._clock() - answered_at > self.max_age_s:
+            return self.lookup(block_hashes)  # left uncollected: asked again
         if found is None:  # the server gave no answer
             if self.store.breaker.rejecting():
                 return 0  # the tier is down: a miss, until the breaker lets calls through
@@ -77,7 +98,7 @@ class AsyncLookups:
         """Every question queued so far (not forgotten), in one round trip per salt."""
         with self._lock:
             queued, self._queued = self._queued, deque()
-        batches: dict[str | None, list[tuple[list[BlockHash], Future[int | None]]]] = {}
+        batches: dict[str | None, list[tuple[list[BlockHash], Future[_Answer]]]] = {}
         for hashes, salt, future in queued:
             if future.set_running_or_notify_cancel():  # False: forgotten, never sent
                 batches.setdefault(salt, []).append((hashes, future))
@@ -91,8 +112,9 @@ class AsyncLookups:
                 continue
             self._seconds.append(time.perf_counter() - started)
             answers: list[int | None] = [None] * len(batch) if found is None else [*found]
+            answered_at = self._clock()
             for (_, future), answer in zip(batch, answers, strict=True):
-                future.set_result(answer)
+                future.set_result((answer, answered_at))
 
     def take_seconds(self) -> list[float]:
         """Each round trip's seconds since the last call (at most the last `max_pending`)."""
