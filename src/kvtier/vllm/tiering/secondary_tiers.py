@@ -152,7 +152,8 @@ class KvtierRedisTier(KvtierSecondaryTier):
         )
         self.manager = self.remote.manager()
         self.kv_store = self.remote.kv_store(self.layout)
-        self.lookups = KeyLookups(self.remote.store.count_prefix, "redis")
+        store = self.remote.store
+        self.lookups = KeyLookups(store.try_count_prefix, "redis", store.breaker.rejecting)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         found = self.lookups.lookup(key, req_context.req_id)

@@ -6,7 +6,10 @@ one request asked about in a step go out at the step's end (`flush`) as one batc
 answered by one `count_prefix` round trip on a background thread; until the answer is
 in, `lookup` says None (RETRY). A key's verdict is kept while a request that asked
 for it is alive (the scheduler asks again on later steps), and a failed load marks
-it a miss, so a promotion that cannot succeed is not retried forever.
+it a miss, so a promotion that cannot succeed is not retried forever. A round trip
+that got no answer (a timeout on a busy machine) is no verdict: its keys are asked
+again at the next flush, and are a miss only once `tier_down` says the tier is down
+(a miss at once would cut a prefix short at the key whose round trip timed out).
 
 vLLM ships `AsyncLookupManager` for the same job; this small one exists because
 `drain_jobs`, `shutdown` and deterministic tests need to wait for answers, which
@@ -22,20 +25,24 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-CountPrefix = Callable[[Sequence[bytes]], int]
+# how many leading keys the tier holds, or None when it gave no answer
+CountPrefix = Callable[[Sequence[bytes]], int | None]
 
 
 @dataclass
 class _Ask:
     requests: set[str] = field(default_factory=set)
-    future: Future[int] | None = None  # None until flushed
+    future: Future[int | None] | None = None  # None until flushed
     index: int = 0  # the key's place in its batch: present iff index < the prefix count
     verdict: bool | None = None
 
 
 class KeyLookups:
-    def __init__(self, count_prefix: CountPrefix, name: str) -> None:
+    def __init__(
+        self, count_prefix: CountPrefix, name: str, tier_down: Callable[[], bool] = lambda: False
+    ) -> None:
         self._count = count_prefix
+        self._tier_down = tier_down
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name}-lookup")
         self._asks: dict[bytes, _Ask] = {}
         self._request_keys: dict[str, set[bytes]] = {}
@@ -50,7 +57,14 @@ class KeyLookups:
         ask.requests.add(req_id)
         self._request_keys.setdefault(req_id, set()).add(key)
         if ask.verdict is None and ask.future is not None and ask.future.done():
-            ask.verdict = ask.index < self._result(ask.future)
+            found = self._result(ask.future)
+            if found is not None:
+                ask.verdict = ask.index < found
+            elif self._tier_down():
+                ask.verdict = False
+            else:  # no answer: asked again at the next flush
+                ask.future = None
+                self._batch.setdefault(req_id, []).append(key)
         return ask.verdict
 
     def flush(self) -> None:
@@ -91,9 +105,9 @@ class KeyLookups:
         self._batch.clear()
 
     @staticmethod
-    def _result(future: Future[int]) -> int:
+    def _result(future: Future[int | None]) -> int | None:
         try:
             return future.result()
-        except Exception:  # count_prefix turns server failures into 0; this is a bug
+        except Exception:  # count_prefix turns server failures into None; this is a bug
             log.exception("kvtier: background lookup failed; answering a miss")
             return 0
