@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -21,15 +20,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvtier.net import free_port
+
 REDIS_BIN = shutil.which("redis-server")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _READY = "Ready to accept connections"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

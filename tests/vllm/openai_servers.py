@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.net import free_port
 from kvtier.router import EngineSpec
 from kvtier.vllm import transfer_config
 from kvtier.vllm.engines import TINY, ModelShape
@@ -72,12 +72,6 @@ def chat_model(source: Path, directory: Path, vocab: int = TINY.vocab) -> Path:
         if (source / name).exists():
             shutil.copy(source / name, directory / name)
     return write_tokenizer(directory, vocab)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _command(model: Path, port: int, events: str, replay: str, pool_blocks: int) -> list[str]:
@@ -133,7 +127,7 @@ def openai_servers(
     servers: list[Server] = []
     try:
         for i in range(n):
-            port = _free_port()
+            port = free_port()
             events, replay = f"ipc://{workdir}/e{i}.events", f"ipc://{workdir}/e{i}.replay"
             log = workdir / f"e{i}.log"
             with log.open("wb") as out:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.net import free_port
 from kvtier.vllm.engines import TINY
 from tests.remote.conftest import serve_redis
 from tests.vllm.conftest import EngineRuns
@@ -87,12 +87,6 @@ def metric(scrape: str, name: str, tier: str) -> float:
     pattern = rf'^{re.escape(name)}\{{[^}}]*tier="{tier}"[^}}]*\}} (\S+)$'
     found = re.search(pattern, scrape, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

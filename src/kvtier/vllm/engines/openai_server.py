@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvtier.net import free_port
 from kvtier.vllm.engines.compare import same_cpus_env
 from kvtier.vllm.engines.run import _pythonpath, end_session
 
@@ -66,12 +66,6 @@ class ServerConfig:
         if self.kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return args
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class OpenAIServer:
