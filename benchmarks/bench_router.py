@@ -27,13 +27,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tests.router.model_dir import write_tokenizer
 from tests.vllm.openai_servers import BLOCK, openai_servers
 from tests.vllm.router_workload import Turn, play, user_messages
 
 from benchmarks.common import write_result
 from kvtier.router import Router, RouterConfig, router_thread
 from kvtier.vllm.engines import QWEN2_05B, TINY, ModelShape, write_model
+from kvtier.vllm.engines.tokenizer import write_tokenizer
 
 # Qwen2-0.5B's layers, hidden size and heads under the llama architecture, whose
 # tokenizer class takes the word-level tokenizer the servers are given.

@@ -45,8 +45,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tests.router.model_dir import words, write_tokenizer
-
 from benchmarks.common import write_result
 from kvtier.vllm import transfer_config
 from kvtier.vllm.engines import TINY, ModelShape, write_model
@@ -62,6 +60,7 @@ from kvtier.vllm.engines.openai_server import (
     kvtier_counters,
     start_servers,
 )
+from kvtier.vllm.engines.tokenizer import words, write_tokenizer
 
 SERVING = ModelShape(
     "llama", layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1536, vocab=8192

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,8 +27,7 @@ from typing import Any
 from kvtier.net import free_port
 from kvtier.router import EngineSpec
 from kvtier.vllm import transfer_config
-from kvtier.vllm.engines import TINY, ModelShape
-from tests.router.model_dir import write_tokenizer
+from kvtier.vllm.engines import ModelShape
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,16 +60,6 @@ class Server:
 
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
-
-
-def chat_model(source: Path, directory: Path, vocab: int = TINY.vocab) -> Path:
-    """The tiny model (its config and weights from `source`) with a tokenizer and a chat
-    template, so that the servers take text."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        if (source / name).exists():
-            shutil.copy(source / name, directory / name)
-    return write_tokenizer(directory, vocab)
 
 
 def _command(model: Path, port: int, events: str, replay: str, pool_blocks: int) -> list[str]:

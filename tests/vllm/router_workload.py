@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tests.router.model_dir import words
+from kvtier.vllm.engines.tokenizer import words
 from tests.vllm.openai_servers import post
 
 MAX_TOKENS = 8

@@ -3,8 +3,9 @@
 `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` of vLLM's CPU build,
 whose `vllm` command looks up the package metadata of `vllm` and fails), on a loopback
 port, with the README's `--kv-transfer-config`. The model directory is the engine
-tests' tiny model plus a word-level tokenizer (`w3 w17 ...` is tokens 3, 17, ...), so
-the server takes text and the prompts are the engine tests' token ids.
+tests' tiny model plus kvtier's word-level tokenizer (`kvtier.vllm.engines.tokenizer`:
+a prompt's `text_of` is exactly its tokens), so the server takes text and the prompts
+are the engine tests' token ids.
 """
 
 from __future__ import annotations
@@ -26,28 +27,6 @@ from kvtier.vllm.engines.run import _pythonpath
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 MODEL_NAME = "tiny"
-
-
-def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A word-level tokenizer: word `w<i>` is token i (0-2: unk, bos, eos)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(model_dir / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "model_max_length": 512,
-    }
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
-
-
-def text_of(token_ids: tuple[int, ...]) -> str:
-    return " ".join(f"w{t}" for t in token_ids)
 
 
 class Server:

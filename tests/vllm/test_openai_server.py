@@ -18,7 +18,6 @@ Two server starts for every check (each costs about a minute here):
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +27,12 @@ import pytest
 
 from kvtier.net import free_port
 from kvtier.vllm.engines import TINY
+from kvtier.vllm.engines.tokenizer import chat_model, text_of
 from tests.remote.conftest import serve_redis
 from tests.vllm.conftest import EngineRuns
 from tests.vllm.engine_events import KVEvent, KVEventSubscriber
 from tests.vllm.engine_workloads import CACHEABLE_TOKENS, overflow_rounds
-from tests.vllm.server import MODEL_NAME, Server, text_of, write_tokenizer
+from tests.vllm.server import MODEL_NAME, Server
 
 BLOCK_BYTES = TINY.kv_bytes(32)
 DISK_STORES = "vllm:kvtier_store_blocks_total"
@@ -66,7 +66,7 @@ def complete(server: Server, prompt: tuple[int, ...], max_tokens: int = 4) -> Re
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     stream = client.completions.create(
         model=MODEL_NAME,
-        prompt=text_of(prompt),
+        prompt=text_of(prompt, TINY.vocab),
         max_tokens=max_tokens,
         temperature=0.0,
         stream=True,
@@ -97,11 +97,7 @@ def server_scenario(engine_runs: EngineRuns, tiny_model: Path) -> ServerScenario
 def _play(tiny_model: Path, workdir: Path) -> ServerScenario:
     from kvtier.vllm import transfer_config
 
-    model = workdir / "model"
-    model.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(tiny_model / name, model / name)
-    write_tokenizer(model, TINY.vocab)
+    model = chat_model(tiny_model, workdir / "model", TINY.vocab)
     first, _variant = overflow_rounds(TINY.vocab)[0].prompts
     variant = _variant
     fillers = overflow_rounds(TINY.vocab)[2].prompts

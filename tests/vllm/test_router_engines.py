@@ -23,8 +23,9 @@ from kvtier.sim import ReplayConfig
 from kvtier.sim.traces import read_tokens
 from kvtier.sim.workload import Workload
 from kvtier.vllm.engines import TINY
+from kvtier.vllm.engines.tokenizer import chat_model
 from tests.vllm.conftest import EngineRuns
-from tests.vllm.openai_servers import BLOCK, POOL_BLOCKS, chat_model, openai_servers
+from tests.vllm.openai_servers import BLOCK, POOL_BLOCKS, openai_servers
 from tests.vllm.router_workload import MAX_TOKENS, Turn, play, user_messages
 
 CONVERSATIONS, TURNS, WORDS = 5, 3, 100  # an odd count: round-robin alternates engines
@@ -52,7 +53,7 @@ def router_scenario(engine_runs: EngineRuns, tiny_model: Path) -> RouterScenario
 
 
 def _play(source: Path, workdir: Path) -> RouterScenario:
-    model = chat_model(source, workdir / "model")
+    model = chat_model(source, workdir / "model", TINY.vocab)
     with openai_servers(model, workdir / "servers") as servers:
         specs = tuple(s.spec() for s in servers)
 
