@@ -27,6 +27,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 _READY = "Ready to accept connections"
 
 
+def _redis_port() -> int:
+    """A free port that a cluster node can take too: its cluster bus listens 10000 above
+    it, so Redis refuses ports over 55535 (a fifth of Linux's ephemeral range)."""
+    for _ in range(100):
+        port = free_port()
+        if port <= 55535:
+            return port
+    raise RuntimeError("no free port at or below 55535")
+
+
 @dataclass(frozen=True)
 class TLSFiles:
     ca: Path
@@ -62,7 +72,7 @@ class RedisServer:
         self.password = password
         self.args = args
         self.tls = tls
-        self.port = free_port()
+        self.port = _redis_port()
         self.proc: subprocess.Popen[str] | None = None
         self._drainer: threading.Thread | None = None
         self.started = False
@@ -82,7 +92,7 @@ class RedisServer:
                 return
             if self.started or attempt == 2:
                 raise RuntimeError(f"redis-server did not start on {self.port}: {log}")
-            self.port = free_port()  # another process took the port between probe and bind
+            self.port = _redis_port()  # another process took the port between probe and bind
 
     def _spawn(self) -> str | None:
         """Run the server; None once it accepts connections, else its log."""
