@@ -27,13 +27,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tests.router.model_dir import write_tokenizer
-from tests.vllm.openai_servers import BLOCK, openai_servers
 from tests.vllm.router_workload import Turn, play, user_messages
 
 from benchmarks.common import write_result
 from kvtier.router import Router, RouterConfig, router_thread
 from kvtier.vllm.engines import QWEN2_05B, TINY, ModelShape, write_model
+from kvtier.vllm.engines.openai_server import running_servers
+from kvtier.vllm.engines.router_servers import BLOCK, engine_spec, router_configs
+from kvtier.vllm.engines.tokenizer import write_tokenizer
 
 # Qwen2-0.5B's layers, hidden size and heads under the llama architecture, whose
 # tokenizer class takes the word-level tokenizer the servers are given.
@@ -66,9 +67,10 @@ def bench(workdir: Path, shape: ModelShape, conversations: int, turns: int, word
     write_tokenizer(model, shape.vocab)
     runs: dict[str, list[Turn]] = {"round-robin": [], "kv": []}
     started = time.perf_counter()
-    with openai_servers(model, workdir / "servers", pool_blocks=256) as servers:
+    configs = router_configs(model, shape, workdir / "servers", pool_blocks=256)
+    with running_servers(configs, workdir / "servers") as servers:
         start_s = time.perf_counter() - started
-        specs = tuple(s.spec() for s in servers)
+        specs = tuple(engine_spec(s) for s in servers.values())
         seed = 0
         for _ in range(rounds):
             for policy in runs:

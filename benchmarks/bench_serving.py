@@ -45,8 +45,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tests.router.model_dir import words, write_tokenizer
-
 from benchmarks.common import write_result
 from kvtier.vllm import transfer_config
 from kvtier.vllm.engines import TINY, ModelShape, write_model
@@ -60,8 +58,9 @@ from kvtier.vllm.engines.openai_server import (
     OpenAIServer,
     ServerConfig,
     kvtier_counters,
-    start_servers,
+    running_servers,
 )
+from kvtier.vllm.engines.tokenizer import words, write_tokenizer
 
 SERVING = ModelShape(
     "llama", layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1536, vocab=8192
@@ -150,9 +149,8 @@ def bench(setup: Setup, workdir: Path, only: list[str]) -> dict[str, Any]:
     )
     configs = {"vllm": alone, "kvtier": replace(alone, kv_transfer_config=kvtier)}
     started = time.perf_counter()
-    servers = start_servers(configs, workdir)
-    out: dict[str, Any] = {"servers_start_s": time.perf_counter() - started, "workloads": {}}
-    try:
+    with running_servers(configs, workdir) as servers:
+        out: dict[str, Any] = {"servers_start_s": time.perf_counter() - started, "workloads": {}}
         warm = unique(words(setup.shape.vocab), 2, 64, 4, seed=99)
         for server in servers.values():
             run_one_by_one(server.url, "model", warm)
@@ -160,9 +158,6 @@ def bench(setup: Setup, workdir: Path, only: list[str]) -> dict[str, Any]:
             make = setup.workloads[name]
             out["workloads"][name] = _workload(setup, servers, make, seed=w)
             print(f"{name}: {verdict_line(out['workloads'][name])}", flush=True)
-    finally:
-        for server in servers.values():
-            server.stop()
     return out
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 import kvtier
-from tests.remote.conftest import RedisServer, free_port, serve_redis
+from kvtier.net import free_port
+from tests.remote.conftest import RedisServer, serve_redis
 
 SRC = str(Path(kvtier.__file__).resolve().parents[1])
 ROW = '{"timestamp":0,"input_length":1024,"output_length":1,"hash_ids":[1,2]}'

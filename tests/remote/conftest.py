@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -21,15 +20,21 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvtier.net import free_port
+
 REDIS_BIN = shutil.which("redis-server")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _READY = "Ready to accept connections"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _redis_port() -> int:
+    """A free port that a cluster node can take too: its cluster bus listens 10000 above
+    it, so Redis refuses ports over 55535 (a fifth of Linux's ephemeral range)."""
+    for _ in range(100):
+        port = free_port()
+        if port <= 55535:
+            return port
+    raise RuntimeError("no free port at or below 55535")
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ class RedisServer:
         self.password = password
         self.args = args
         self.tls = tls
-        self.port = free_port()
+        self.port = _redis_port()
         self.proc: subprocess.Popen[str] | None = None
         self._drainer: threading.Thread | None = None
         self.started = False
@@ -87,7 +92,7 @@ class RedisServer:
                 return
             if self.started or attempt == 2:
                 raise RuntimeError(f"redis-server did not start on {self.port}: {log}")
-            self.port = free_port()  # another process took the port between probe and bind
+            self.port = _redis_port()  # another process took the port between probe and bind
 
     def _spawn(self) -> str | None:
         """Run the server; None once it accepts connections, else its log."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.net import free_port
 from kvtier.remote.redis_store import RedisBlockStore, RemoteStartupError
 from kvtier.remote.remote_config import RemoteConfig
 from kvtier.types import int_block_hash
-from tests.remote.conftest import RedisServer, free_port
+from tests.remote.conftest import RedisServer
 
 FP = "model=tiny|dtype=fp16|block=16|format=1"
 HASHES = [int_block_hash(i) for i in range(4)]

@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.hashing import hash_request_blocks
 from kvtier.router.prompts import PromptError, PromptHasher
-from tests.router.model_dir import write_tokenizer
+from kvtier.vllm.engines.tokenizer import write_tokenizer
 from tests.vllm.needs_vllm import require_vllm
 
 VOCAB = 64

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.cli.route import parse_engine, parse_weights
+from kvtier.net import free_port
 from kvtier.router.scoring import Weights
 from tests.router.fakes import FakeEngine, until_answered
 
@@ -47,18 +47,12 @@ def test_bad_flags_are_refused(
     assert message in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_the_command_routes_until_stopped(stop: signal.Signals, code: int) -> None:
     async def scenario() -> None:
         engine = FakeEngine("e0")
         await engine.start()
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.cli", "route", "--engine", engine.url,

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import random
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tests.router.model_dir import words
-from tests.vllm.openai_servers import post
+from kvtier.vllm.engines.tokenizer import words
 
 MAX_TOKENS = 8
 
@@ -112,3 +112,15 @@ def _streamed(base: str, body: dict[str, Any], c: int, t: int) -> tuple[Turn, st
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     turn = Turn(c, t, status, engine, usage.get("prompt_tokens", 0), cached, ttft)
     return turn, "".join(reply)
+
+
+def post(url: str, body: dict[str, Any], timeout_s: float = 300) -> tuple[int, dict[str, Any], str]:
+    """POST JSON; (status, answer, the engine the router says answered)."""
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read()), r.headers.get("X-Kvtier-Engine", "")
+    except urllib.error.HTTPError as e:
+        return e.code, {"error": e.read().decode(errors="replace")}, ""

@@ -18,8 +18,6 @@ Two server starts for every check (each costs about a minute here):
 from __future__ import annotations
 
 import re
-import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +26,16 @@ from typing import Any
 import pytest
 
 from kvtier.vllm.engines import TINY
+from kvtier.vllm.engines.openai_server import OpenAIServer, ServerConfig, start_servers
+from kvtier.vllm.engines.tokenizer import chat_model, text_of
 from tests.remote.conftest import serve_redis
 from tests.vllm.conftest import EngineRuns
 from tests.vllm.engine_events import KVEvent, KVEventSubscriber
 from tests.vllm.engine_workloads import CACHEABLE_TOKENS, overflow_rounds
-from tests.vllm.server import MODEL_NAME, Server, text_of, write_tokenizer
 
 BLOCK_BYTES = TINY.kv_bytes(32)
 DISK_STORES = "vllm:kvtier_store_blocks_total"
+MODEL_NAME = "tiny"
 
 
 @dataclass(frozen=True)
@@ -53,20 +53,20 @@ class ServerScenario:
     reset: dict[str, Any]
     metrics: str
     events: tuple[KVEvent, ...]
-    stop_code: int
+    stop_code: int | None  # None: still running long after the SIGTERM
     restarted: Reply
     forgotten: Reply
-    restarted_stop_code: int
+    restarted_stop_code: int | None
 
 
-def complete(server: Server, prompt: tuple[int, ...], max_tokens: int = 4) -> Reply:
+def complete(server: OpenAIServer, prompt: tuple[int, ...], max_tokens: int = 4) -> Reply:
     """One streaming completion through the OpenAI client; its text and usage."""
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     stream = client.completions.create(
         model=MODEL_NAME,
-        prompt=text_of(prompt),
+        prompt=text_of(prompt, TINY.vocab),
         max_tokens=max_tokens,
         temperature=0.0,
         stream=True,
@@ -89,12 +89,6 @@ def metric(scrape: str, name: str, tier: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def server_scenario(engine_runs: EngineRuns, tiny_model: Path) -> ServerScenario:
     return engine_runs.once("server-scenario", lambda workdir: _play(tiny_model, workdir))
@@ -103,11 +97,7 @@ def server_scenario(engine_runs: EngineRuns, tiny_model: Path) -> ServerScenario
 def _play(tiny_model: Path, workdir: Path) -> ServerScenario:
     from kvtier.vllm import transfer_config
 
-    model = workdir / "model"
-    model.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(tiny_model / name, model / name)
-    write_tokenizer(model, TINY.vocab)
+    model = chat_model(tiny_model, workdir / "model", TINY.vocab)
     first, _variant = overflow_rounds(TINY.vocab)[0].prompts
     variant = _variant
     fillers = overflow_rounds(TINY.vocab)[2].prompts
@@ -124,9 +114,8 @@ def _play(tiny_model: Path, workdir: Path) -> ServerScenario:
                 "endpoint": subscriber.endpoint,
                 "topic": "kvtier-server",
             }
-            server = Server(model, workdir / "server1.log", free_port(), config, events_config)
+            server = _start(model, workdir, "server1", config, events_config)
             try:
-                server.wait_ready()
                 first_reply = complete(server, first)
                 complete(server, variant)
                 complete(server, first)  # a pool hit
@@ -142,18 +131,17 @@ def _play(tiny_model: Path, workdir: Path) -> ServerScenario:
                 # once the recomputed prompt's blocks are on disk (written through)
                 _scrape(server, DISK_STORES, "disk", on_disk + CACHEABLE_TOKENS // 32)
             finally:
-                stop_code = server.stop()
+                stop_code = server.stop(timeout_s=300)
     finally:
         next(servers, None)
 
     config = transfer_config(cpu_bytes_to_use=8 * BLOCK_BYTES, **disk)
-    server = Server(model, workdir / "server2.log", free_port(), config)
+    server = _start(model, workdir, "server2", config)
     try:
-        server.wait_ready()
         restarted = complete(server, first)
         forgotten = complete(server, fillers[0], max_tokens=1)
     finally:
-        restarted_stop_code = server.stop()
+        restarted_stop_code = server.stop(timeout_s=300)
     return ServerScenario(
         first_reply,
         returned,
@@ -168,12 +156,36 @@ def _play(tiny_model: Path, workdir: Path) -> ServerScenario:
     )
 
 
+def _start(
+    model: Path,
+    workdir: Path,
+    name: str,
+    kv_transfer_config: dict[str, Any],
+    kv_events_config: dict[str, Any] | None = None,
+) -> OpenAIServer:
+    """A server with kvtier's tiers and a pool of 24 blocks (the overflow workload's),
+    up; vLLM's own CPU binding (no side is compared with another here)."""
+    config = ServerConfig(
+        model,
+        pool_blocks=24,
+        max_model_len=512,
+        max_num_seqs=4,
+        kv_transfer_config=kv_transfer_config,
+        kv_events_config=kv_events_config,
+        served_name=MODEL_NAME,
+        same_cpus=False,
+    )
+    return start_servers({name: config}, workdir)[name]
+
+
 def _mkdir(path: Path) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     return True
 
 
-def _scrape(server: Server, name: str, tier: str, at_least: float, timeout_s: float = 60) -> str:
+def _scrape(
+    server: OpenAIServer, name: str, tier: str, at_least: float, timeout_s: float = 60
+) -> str:
     """/metrics once `name{tier}` has reached `at_least` (a bounded poll: the stores
     finish, and vLLM's stats reach its frontend, asynchronously)."""
     deadline = time.monotonic() + timeout_s

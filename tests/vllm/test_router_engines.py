@@ -23,8 +23,10 @@ from kvtier.sim import ReplayConfig
 from kvtier.sim.traces import read_tokens
 from kvtier.sim.workload import Workload
 from kvtier.vllm.engines import TINY
+from kvtier.vllm.engines.openai_server import running_servers
+from kvtier.vllm.engines.router_servers import BLOCK, POOL_BLOCKS, engine_spec, router_configs
+from kvtier.vllm.engines.tokenizer import chat_model
 from tests.vllm.conftest import EngineRuns
-from tests.vllm.openai_servers import BLOCK, POOL_BLOCKS, chat_model, openai_servers
 from tests.vllm.router_workload import MAX_TOKENS, Turn, play, user_messages
 
 CONVERSATIONS, TURNS, WORDS = 5, 3, 100  # an odd count: round-robin alternates engines
@@ -52,9 +54,10 @@ def router_scenario(engine_runs: EngineRuns, tiny_model: Path) -> RouterScenario
 
 
 def _play(source: Path, workdir: Path) -> RouterScenario:
-    model = chat_model(source, workdir / "model")
-    with openai_servers(model, workdir / "servers") as servers:
-        specs = tuple(s.spec() for s in servers)
+    model = chat_model(source, workdir / "model", TINY.vocab)
+    configs = router_configs(model, TINY, workdir / "servers")
+    with running_servers(configs, workdir / "servers") as servers:
+        specs = tuple(engine_spec(s) for s in servers.values())
 
         def router(policy: str) -> Router:
             # a loaded 2-core machine can keep a server's /health waiting for seconds
@@ -72,7 +75,7 @@ def _play(source: Path, workdir: Path) -> RouterScenario:
 
         def kill(k: int) -> None:
             if k == KILL_BEFORE:
-                servers[1].kill()
+                servers["e1"].kill()
 
         killed, killed_router = run("kv", 3, before=kill)
         state = killed_router.engines["e1"]

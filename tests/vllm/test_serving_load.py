@@ -20,10 +20,9 @@ import pytest
 from kvtier.vllm.engines import TINY
 from kvtier.vllm.engines.chat_workloads import multi_turn
 from kvtier.vllm.engines.load_client import Answer, run_one_by_one
-from kvtier.vllm.engines.openai_server import ServerConfig, kvtier_counters, start_servers
-from tests.router.model_dir import words
+from kvtier.vllm.engines.openai_server import ServerConfig, kvtier_counters, running_servers
+from kvtier.vllm.engines.tokenizer import chat_model, words
 from tests.vllm.conftest import EngineRuns
-from tests.vllm.openai_servers import chat_model
 
 BLOCK = 32
 CONVERSATIONS = 6
@@ -43,18 +42,14 @@ def played(engine_runs: EngineRuns, tiny_model: Path) -> Played:
 def _play(tiny_model: Path, workdir: Path) -> Played:
     from kvtier.vllm import transfer_config
 
-    model = chat_model(tiny_model, workdir / "model")
+    model = chat_model(tiny_model, workdir / "model", TINY.vocab)
     alone = ServerConfig(model, BLOCK, pool_blocks=24, max_model_len=512, max_num_seqs=4)
     kvtier = transfer_config(cpu_bytes_to_use=128 * TINY.kv_bytes(BLOCK))
     configs = {"vllm": alone, "kvtier": replace(alone, kv_transfer_config=kvtier)}
     workload = multi_turn(words(TINY.vocab), CONVERSATIONS, 2, 150, 8, seed=5)
-    servers = start_servers(configs, workdir)
-    try:
+    with running_servers(configs, workdir) as servers:
         answers = {side: run_one_by_one(s.url, "model", workload) for side, s in servers.items()}
         tiers = kvtier_counters(servers["kvtier"].get("/metrics"))
-    finally:
-        for server in servers.values():
-            server.stop()
     return Played(answers, tiers)
 
 

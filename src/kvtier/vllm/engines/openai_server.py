@@ -1,13 +1,15 @@
-"""vLLM's OpenAI server in a process of its own, as a user starts it, for the serving
-benchmark and its test.
+"""vLLM's OpenAI server in a process of its own, as a user starts it: the one way the
+benchmarks and the tests start one (the serving benchmark, the router's, the end-to-end
+tests).
 
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` command fails on vLLM's CPU
 build), on a loopback port, in a session of its own (a kill of its process group ends
 the engine core it spawned too), with `VLLM_SERVER_DEV_MODE=1` for `POST
-/reset_prefix_cache?reset_external=true` between runs, and the CPU binding of an engine
-without a connector whether or not it has one (`compare.same_cpus_env`): otherwise, on a
-2-core machine, the engine with kvtier computes on both cores and the one without on one.
-Nothing here imports vLLM.
+/reset_prefix_cache?reset_external=true` between runs. By default with the CPU binding
+of an engine without a connector whether or not it has one (`compare.same_cpus_env`):
+otherwise, on a 2-core machine, the engine with kvtier computes on both cores and the
+one without on one. Servers start together (a start costs 20-90 s here) and are waited
+for against one deadline. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -17,17 +19,18 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvtier.net import free_port
 from kvtier.vllm.engines.compare import same_cpus_env
 from kvtier.vllm.engines.run import _pythonpath, end_session
 
@@ -43,8 +46,15 @@ class ServerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int | None = None
     kv_transfer_config: dict[str, Any] | None = None  # None: vLLM alone
+    kv_events_config: dict[str, Any] | None = None  # None: no KV events
     served_name: str = "model"
     seed: int = 0
+    # flags only some callers want: the router's servers hash as the router does
+    # (`--prefix-caching-hash-algo sha256_cbor`) and keep their logs short
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)  # e.g. VLLM_LOGGING_LEVEL
+    # False where no side is compared with another: vLLM's own binding
+    same_cpus: bool = True
 
     def command(self, port: int) -> list[str]:
         weights = "safetensors" if (self.model / "model.safetensors").exists() else "dummy"
@@ -65,34 +75,34 @@ class ServerConfig:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
-        return args
+        if self.kv_events_config is not None:
+            args += ["--kv-events-config", json.dumps(self.kv_events_config)]
+        return [*args, *self.extra_args]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    def environment(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            **(same_cpus_env() if self.same_cpus else {}),
+            **self.env,
+            "PYTHONPATH": _pythonpath(),
+            "VLLM_SERVER_DEV_MODE": "1",
+        }
 
 
 class OpenAIServer:
     """One server process; `with` stops it (its whole session) whatever happened."""
 
-    def __init__(self, config: ServerConfig, log_path: Path) -> None:
+    def __init__(self, config: ServerConfig, log_path: Path, name: str = "") -> None:
         self.config = config
+        self.name = name or log_path.stem
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {
-            **os.environ,
-            **same_cpus_env(),
-            "PYTHONPATH": _pythonpath(),
-            "VLLM_SERVER_DEV_MODE": "1",
-        }
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 config.command(self.port),
-                env=env,
+                env=config.environment(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -110,13 +120,16 @@ class OpenAIServer:
         self.stop()
 
     def wait_ready(self, deadline: float) -> None:
-        """Poll /health until it answers or `deadline` (time.monotonic) passes; a server
-        that exits fails at once, with its log."""
+        """Poll /health until it answers or `deadline` (time.monotonic) passes: one
+        deadline for servers started together. A server that exits fails at once, with
+        its log."""
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(
+                    f"server {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready in time:\n{self.log()}")
+                raise RuntimeError(f"server {self.name} not ready in time:\n{self.log_tail()}")
             with (
                 contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
                 urllib.request.urlopen(self.url + "/health", timeout=2) as response,
@@ -141,29 +154,41 @@ class OpenAIServer:
         if answer != {"success": True}:
             raise RuntimeError(f"{self.url}: reset_prefix_cache answered {answer!r}")
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30) -> int | None:
+        """SIGTERM, as a process manager stops a server, then `kill` whatever is left of
+        its session. The server's exit code, None when it did not exit in `timeout_s`
+        (a clean shutdown is part of what the end-to-end test checks)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=timeout_s)
+        code = self.proc.poll()
+        self.kill()
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL the server and every process of its session at once, as a crash
+        does (the router's test kills an engine mid-run)."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         end_session(self.proc.pid)
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
+    def log_tail(self, chars: int = 6000) -> str:
+        if not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-chars:]
 
 
 def start_servers(
-    configs: dict[str, ServerConfig], workdir: Path, timeout_s: float = 600
+    configs: Mapping[str, ServerConfig], workdir: Path, timeout_s: float = 600
 ) -> dict[str, OpenAIServer]:
-    """Start every server at once (a start costs 20-90 s here) and wait for all; on a
-    failure every one started is stopped."""
+    """Start every server at once (a start costs 20-90 s here) and wait for all, each
+    logging to `workdir/NAME.log`; on a failure every one started is stopped."""
     servers: dict[str, OpenAIServer] = {}
     try:
         for name, config in configs.items():
-            servers[name] = OpenAIServer(config, workdir / f"{name}.log")
+            servers[name] = OpenAIServer(config, workdir / f"{name}.log", name)
         deadline = time.monotonic() + timeout_s
         for server in servers.values():
             server.wait_ready(deadline)
@@ -172,6 +197,19 @@ def start_servers(
             server.stop()
         raise
     return servers
+
+
+@contextlib.contextmanager
+def running_servers(
+    configs: Mapping[str, ServerConfig], workdir: Path, timeout_s: float = 600
+) -> Iterator[dict[str, OpenAIServer]]:
+    """`start_servers`, and every server stopped on the way out whatever happened."""
+    servers = start_servers(configs, workdir, timeout_s)
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 _KVTIER_SAMPLE = re.compile(r"^vllm:kvtier_(\w+?)(?:_total)?\{([^}]*)\} (\S+)$", re.MULTILINE)
