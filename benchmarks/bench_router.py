@@ -5,11 +5,12 @@
 Writes benchmarks/results/router.json. Two vLLM OpenAI servers (the CPU build here;
 a 24-layer model of Qwen2-0.5B's shape with dummy weights, or with --quick the engine tests' tiny
 model), each with kvtier's CPU tier and its KV events on ZMQ, and `kvtier.router` in
-front. The workload is the engine test's: multi-turn conversations, each turn the
-whole conversation so far plus a new user message, sent one request at a time and
-streamed. The two routers take turns on fresh conversations (round-robin, KV-aware,
-round-robin, ...: `--rounds` of each), on the same servers in the same run, so both
-see the same machine. Reported per router: mean and p90 time to first token (the
+front. The workload is the engine test's: multi-turn conversations
+(`chat_workloads.multi_turn`), each turn the whole conversation so far plus a new user
+message, sent one request at a time and streamed (`load_client.run_one_by_one`). The
+two routers take turns on fresh conversations (round-robin, KV-aware, round-robin,
+...: `--rounds` of each), on the same servers in the same run, so both see the same
+machine. Reported per router: mean and p90 time to first token (the
 client's, to the first streamed content) over every request and over returning turns,
 and the prompt tokens the engines served from cache (`usage.prompt_tokens_details`).
 """
@@ -27,14 +28,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tests.vllm.router_workload import Turn, play, user_messages
-
 from benchmarks.common import write_result
 from kvtier.router import Router, RouterConfig, router_thread
 from kvtier.vllm.engines import QWEN2_05B, TINY, ModelShape, write_model
+from kvtier.vllm.engines.chat_workloads import multi_turn
+from kvtier.vllm.engines.load_client import Answer, run_one_by_one
 from kvtier.vllm.engines.openai_server import running_servers
-from kvtier.vllm.engines.router_servers import BLOCK, engine_spec, router_configs
-from kvtier.vllm.engines.tokenizer import write_tokenizer
+from kvtier.vllm.engines.router_servers import (
+    BLOCK,
+    MAX_TOKENS,
+    SERVED_NAME,
+    engine_spec,
+    router_configs,
+)
+from kvtier.vllm.engines.tokenizer import words, write_tokenizer
 
 # Qwen2-0.5B's layers, hidden size and heads under the llama architecture, whose
 # tokenizer class takes the word-level tokenizer the servers are given.
@@ -45,13 +52,13 @@ def _p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else 0.0
 
 
-def summary(turns: list[Turn]) -> dict[str, Any]:
+def summary(turns: list[Answer]) -> dict[str, Any]:
     returning = [t for t in turns if t.turn > 0]
     ttft = [t.ttft_s for t in turns]
     back = [t.ttft_s for t in returning]
     return {
         "requests": len(turns),
-        "answered": sum(t.status == 200 for t in turns),
+        "answered": sum(t.ok for t in turns),
         "ttft_mean_s": statistics.fmean(ttft),
         "ttft_p90_s": _p90(ttft),
         "returning_ttft_mean_s": statistics.fmean(back) if back else 0.0,
@@ -61,11 +68,12 @@ def summary(turns: list[Turn]) -> dict[str, Any]:
     }
 
 
-def bench(workdir: Path, shape: ModelShape, conversations: int, turns: int, words: int,
-          rounds: int) -> dict[str, Any]:  # fmt: skip
+def bench(workdir: Path, shape: ModelShape, conversations: int, turns: int,
+          words_per_turn: int, rounds: int) -> dict[str, Any]:  # fmt: skip
     model = write_model(workdir / "model", shape, weights=False)
     write_tokenizer(model, shape.vocab)
-    runs: dict[str, list[Turn]] = {"round-robin": [], "kv": []}
+    vocabulary = words(shape.vocab)
+    runs: dict[str, list[Answer]] = {"round-robin": [], "kv": []}
     started = time.perf_counter()
     configs = router_configs(model, shape, workdir / "servers", pool_blocks=256)
     with running_servers(configs, workdir / "servers") as servers:
@@ -76,9 +84,11 @@ def bench(workdir: Path, shape: ModelShape, conversations: int, turns: int, word
             for policy in runs:
                 seed += 1
                 config = RouterConfig(specs, BLOCK, str(model), policy=policy)
+                talk = multi_turn(
+                    vocabulary, conversations, turns, words_per_turn, MAX_TOKENS, seed
+                )
                 with router_thread(Router(config)) as port:
-                    messages = user_messages(conversations, turns, words, shape.vocab, seed)
-                    runs[policy] += play(f"http://127.0.0.1:{port}", messages, stream=True)
+                    runs[policy] += run_one_by_one(f"http://127.0.0.1:{port}", SERVED_NAME, talk)
                 print(f"   {policy:12s} round done: {summary(runs[policy])}", flush=True)
     rr, kv = summary(runs["round-robin"]), summary(runs["kv"])
     return {
@@ -88,7 +98,7 @@ def bench(workdir: Path, shape: ModelShape, conversations: int, turns: int, word
         "block_size": BLOCK,
         "conversations": conversations,
         "turns": turns,
-        "words_per_message": words,
+        "words_per_message": words_per_turn,
         "rounds": rounds,
         "servers_start_s": start_s,
         "round_robin": rr,
@@ -114,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-router-") as tmp, \
             warnings.catch_warnings():  # fmt: skip
         warnings.simplefilter("ignore")
-        result = bench(Path(tmp), shape, conversations=5, turns=4, words=200, rounds=rounds)
+        result = bench(
+            Path(tmp), shape, conversations=5, turns=4, words_per_turn=200, rounds=rounds
+        )
     print(write_result("router", {**host, **result}))
     for name in ("round_robin", "kv"):
         if result[name]["answered"] != result[name]["requests"]:

@@ -1,7 +1,8 @@
 """The router in front of two real vLLM OpenAI servers (CPU build, the tiny model,
-kvtier's CPU tier, KV events over ZMQ): multi-turn conversations sent one request at
-a time, through round-robin and through the KV-aware router, then once more with an
-engine killed mid-run.
+kvtier's CPU tier, KV events over ZMQ): multi-turn conversations (`multi_turn`) sent
+one request at a time and streamed by the serving benchmark's client, through
+round-robin and through the KV-aware router, then once more with an engine killed
+mid-run. The router's `X-Kvtier-Engine` header says which engine answered.
 
 The two servers start once and serve every case (a start is 20-90 s here); each case
 talks about its own conversations (different words), so no case finds another's
@@ -23,11 +24,19 @@ from kvtier.sim import ReplayConfig
 from kvtier.sim.traces import read_tokens
 from kvtier.sim.workload import Workload
 from kvtier.vllm.engines import TINY
+from kvtier.vllm.engines.chat_workloads import multi_turn
+from kvtier.vllm.engines.load_client import Answer, BeforeSend, run_one_by_one
 from kvtier.vllm.engines.openai_server import running_servers
-from kvtier.vllm.engines.router_servers import BLOCK, POOL_BLOCKS, engine_spec, router_configs
-from kvtier.vllm.engines.tokenizer import chat_model
+from kvtier.vllm.engines.router_servers import (
+    BLOCK,
+    MAX_TOKENS,
+    POOL_BLOCKS,
+    SERVED_NAME,
+    engine_spec,
+    router_configs,
+)
+from kvtier.vllm.engines.tokenizer import chat_model, words
 from tests.vllm.conftest import EngineRuns
-from tests.vllm.router_workload import MAX_TOKENS, Turn, play, user_messages
 
 CONVERSATIONS, TURNS, WORDS = 5, 3, 100  # an odd count: round-robin alternates engines
 KILL_BEFORE = CONVERSATIONS + 2  # the third request of the second turns
@@ -35,10 +44,10 @@ KILL_BEFORE = CONVERSATIONS + 2  # the third request of the second turns
 
 @dataclass(frozen=True)
 class RouterScenario:
-    round_robin: tuple[Turn, ...]
-    kv: tuple[Turn, ...]
+    round_robin: tuple[Answer, ...]
+    kv: tuple[Answer, ...]
     kv_prompts: tuple[tuple[int, ...], ...]  # the KV run's prompts as the router hashed them
-    killed: tuple[Turn, ...]
+    killed: tuple[Answer, ...]
     killed_taken_out: int  # times the router took the killed engine out
     killed_retries: int
 
@@ -64,11 +73,14 @@ def _play(source: Path, workdir: Path) -> RouterScenario:
             config = RouterConfig(specs, BLOCK, str(model), policy=policy, health_timeout_s=10)
             return Router(config, keep_decisions=1000)
 
-        def run(policy: str, seed: int, **kw: object) -> tuple[list[Turn], Router]:
+        def run(
+            policy: str, seed: int, before: BeforeSend | None = None
+        ) -> tuple[list[Answer], Router]:
             r = router(policy)
+            talk = multi_turn(words(TINY.vocab), CONVERSATIONS, TURNS, WORDS, MAX_TOKENS, seed)
             with router_thread(r) as port:
-                messages = user_messages(CONVERSATIONS, TURNS, WORDS, TINY.vocab, seed)
-                return play(f"http://127.0.0.1:{port}", messages, **kw), r  # type: ignore[arg-type]
+                url = f"http://127.0.0.1:{port}"
+                return run_one_by_one(url, SERVED_NAME, talk, before=before), r
 
         rr, _ = run("round-robin", 1)
         kv, kv_router = run("kv", 2)
@@ -89,13 +101,14 @@ def _play(source: Path, workdir: Path) -> RouterScenario:
         )
 
 
-def _cached(turns: tuple[Turn, ...]) -> int:
+def _cached(turns: tuple[Answer, ...]) -> int:
     return sum(t.cached_tokens for t in turns)
 
 
 def test_every_request_is_answered(router_scenario: RouterScenario) -> None:
     for turns in (router_scenario.round_robin, router_scenario.kv, router_scenario.killed):
         assert [t.status for t in turns] == [200] * CONVERSATIONS * TURNS
+        assert [t.error for t in turns if not t.ok] == []
 
 
 def test_kv_routing_caches_at_least_1_8x_round_robin(router_scenario: RouterScenario) -> None:
@@ -106,14 +119,14 @@ def test_kv_routing_caches_at_least_1_8x_round_robin(router_scenario: RouterScen
 def test_every_returning_turn_goes_to_the_engine_that_holds_it(
     router_scenario: RouterScenario,
 ) -> None:
-    by_turn = {(t.conversation, t.turn): t for t in router_scenario.kv}
+    by_turn = {(t.session, t.turn): t for t in router_scenario.kv}
     for (c, t), turn in by_turn.items():
         if t == 0:
             continue
         assert turn.engine == by_turn[(c, t - 1)].engine, (c, t)
         assert turn.cached_tokens >= by_turn[(c, t - 1)].prompt_tokens // BLOCK * BLOCK
     # round-robin, for contrast, sends half of them elsewhere
-    rr = {(t.conversation, t.turn): t.engine for t in router_scenario.round_robin}
+    rr = {(t.session, t.turn): t.engine for t in router_scenario.round_robin}
     assert any(rr[(c, t)] != rr[(c, t - 1)] for c, t in rr if t)
 
 

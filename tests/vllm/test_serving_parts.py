@@ -1,16 +1,21 @@
-"""The serving benchmark's parts that need no server: arrivals, workloads, percentiles,
-and reading kvtier's figures out of a /metrics scrape."""
+"""The serving benchmark's parts that need no vLLM server: arrivals, workloads,
+percentiles, reading kvtier's figures out of a /metrics scrape, and what the client
+keeps of a streamed answer (against a stand-in server on loopback)."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from kvtier.vllm.engines.chat_workloads import Workload, documents, multi_turn, unique
-from kvtier.vllm.engines.load_client import arrivals, messages_of, percentile
+from kvtier.vllm.engines.load_client import arrivals, messages_of, percentile, run_one_by_one
 from kvtier.vllm.engines.openai_server import kvtier_counters
 
 WORDS = [f"w{i}" for i in range(100)]
@@ -73,3 +78,69 @@ def test_kvtier_counters_by_tier() -> None:
         "cpu": {"hit_blocks": 12.0, "lookup_blocks": 20.0},
         "disk": {"used_blocks": 3.0},
     }
+
+
+class _StandIn(BaseHTTPRequestHandler):
+    """A router-fronted engine in miniature: request 1 gets a 503, request 2 a stream
+    that fails after its 200 (as vLLM reports one), the others a one-token answer;
+    each says which engine answered, as kvtier's router does."""
+
+    log: list[str]
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = sum(e.startswith("served") for e in self.log)
+        self.log.append(f"served {n}")
+        if n == 1:
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b"no engine answered")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("X-Kvtier-Engine", f"e{n % 2}")
+        self.end_headers()
+        usage = {
+            "prompt_tokens": len(body["messages"]),
+            "completion_tokens": 1,
+            "prompt_tokens_details": {"cached_tokens": n},
+        }
+        chunks: list[object] = [{"choices": [{"delta": {"content": f"w{n}"}}]}]
+        chunks.append({"error": {"code": 400, "message": "bad"}} if n == 2 else {"usage": usage})
+        for chunk in chunks:
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stand_in() -> Iterator[tuple[str, list[str]]]:
+    log: list[str] = []
+    handler = type("Handler", (_StandIn,), {"log": log, "protocol_version": "HTTP/1.0"})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", log
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_one_by_one_keeps_status_engine_and_runs_the_hook_between_requests(
+    stand_in: tuple[str, list[str]],
+) -> None:
+    url, log = stand_in
+    chat = multi_turn(WORDS, conversations=2, turns=2, words_per_turn=3, max_tokens=1)
+    answers = run_one_by_one(url, "m", chat, before=lambda i: log.append(f"before {i}"))
+    # the hook runs before each send, never with a request in flight
+    assert log == [e for i in range(4) for e in (f"before {i}", f"served {i}")]
+    assert [(a.session, a.turn) for a in answers] == list(chat.order)
+    assert [a.status for a in answers] == [200, 503, 400, 200]
+    assert [a.ok for a in answers] == [True, False, False, True]
+    assert [a.engine for a in answers] == ["e0", "", "e0", "e1"]
+    assert answers[1].error.startswith("HTTP 503: no engine answered")
+    assert answers[3].text == "w3" and answers[3].cached_tokens == 3
+    assert answers[3].prompt_tokens == 3  # its history: the first turn, its answer, then it

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from kvtier.router.scoring import POLICIES, Weights
 from kvtier.validate import positive_int
 
+# Every answer the router passes on says which engine gave it (a client's load run
+# records it; here, not in the proxy, so reading it needs none of the router's extras).
+ENGINE_HEADER = "X-Kvtier-Engine"
+
 
 @dataclass(frozen=True)
 class EngineSpec:

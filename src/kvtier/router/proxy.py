@@ -30,7 +30,7 @@ import aiohttp
 import zmq.asyncio
 from aiohttp import web
 
-from kvtier.router.config import EngineSpec, RouterConfig
+from kvtier.router.config import ENGINE_HEADER, EngineSpec, RouterConfig
 from kvtier.router.index import BlockIndex
 from kvtier.router.metrics import metrics_text
 from kvtier.router.prompts import PromptError, PromptHasher
@@ -44,8 +44,6 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _ENGINE_DOWN_STATUSES = frozenset({502, 503, 504})
 _HOP_HEADERS = ("Authorization", "X-Request-Id")
 _KEEPALIVE_S = 3.0
-# Every answer says which engine gave it.
-ENGINE_HEADER = "X-Kvtier-Engine"
 
 
 @dataclass

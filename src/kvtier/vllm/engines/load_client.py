@@ -13,6 +13,12 @@ sent then, or, when it is a later turn of a conversation still waiting for its p
 answer, as soon as that answer is in (a user cannot send a turn before reading the
 answer). TTFT is measured from the send to the first streamed token; the inter-token
 latencies are the gaps between the streamed chunks that carry a token.
+
+One by one (`run_one_by_one`): each request is sent once the one before is answered,
+so a run's cache states, and its figures, are the same every time; the router's engine
+test and benchmark play their conversations so, through the router, and read which
+engine answered each request from the router's `X-Kvtier-Engine` header. A `before`
+hook runs just before each send (the router's test kills an engine there).
 """
 
 from __future__ import annotations
@@ -23,11 +29,15 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvtier.router.config import ENGINE_HEADER
 from kvtier.vllm.engines.chat_workloads import Workload
+
+# Called with a request's index in arrival order just before it is sent.
+BeforeSend = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,10 @@ class Answer:
     output_tokens: int
     text: str
     error: str = ""
+    # the HTTP status, or the code of an error vLLM sent inside a stream after its 200;
+    # 0 when no answer came (the connection failed)
+    status: int = 0
+    engine: str = ""  # who answered, where a kvtier router says (its X-Kvtier-Engine)
 
 
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -71,25 +85,45 @@ def messages_of(workload: Workload, session: int, answers: Sequence[str]) -> lis
 
 
 def run_load(
-    url: str, model: str, workload: Workload, rate: float, seed: int = 0, timeout_s: float = 900
+    url: str,
+    model: str,
+    workload: Workload,
+    rate: float,
+    seed: int = 0,
+    timeout_s: float = 900,
+    before: BeforeSend | None = None,
 ) -> list[Answer]:
     """Play `workload` against the server at `url` at `rate` requests per second (open
-    loop); every request's answer, in arrival order."""
-    return asyncio.run(
-        _run(url, model, workload, arrivals(workload.requests, rate, seed), timeout_s)
-    )
+    loop); every request's answer, in arrival order.
+
+    `before(i)` runs just before request `i` (in arrival order) is sent, on the
+    client's event loop: it holds every other send while it runs."""
+    times = arrivals(workload.requests, rate, seed)
+    return asyncio.run(_run(url, model, workload, times, timeout_s, before))
 
 
 def run_one_by_one(
-    url: str, model: str, workload: Workload, timeout_s: float = 900
+    url: str,
+    model: str,
+    workload: Workload,
+    timeout_s: float = 900,
+    before: BeforeSend | None = None,
 ) -> list[Answer]:
     """Play `workload` one request at a time (each sent when the one before is answered):
-    what each request costs on a server with nothing else to do."""
-    return asyncio.run(_run(url, model, workload, None, timeout_s))
+    what each request costs on a server with nothing else to do.
+
+    `before(i)` runs just before request `i` is sent, with nothing in flight: a fault
+    injected there (an engine killed) meets the next request, not one half answered."""
+    return asyncio.run(_run(url, model, workload, None, timeout_s, before))
 
 
 async def _run(
-    url: str, model: str, workload: Workload, times: list[float] | None, timeout_s: float
+    url: str,
+    model: str,
+    workload: Workload,
+    times: list[float] | None,
+    timeout_s: float,
+    before: BeforeSend | None,
 ) -> list[Answer]:
     import aiohttp
 
@@ -111,6 +145,8 @@ async def _run(
                 await answered[(session, turn - 1)].wait()
             if one_by_one and i > 0:
                 await answered[workload.order[i - 1]].wait()
+            if before is not None:
+                before(i)
             body = {
                 "model": model,
                 "messages": messages_of(workload, session, said[session]),
@@ -144,9 +180,11 @@ async def _stream(http: Any, url: str, body: dict[str, Any], start: float) -> An
     usage: dict[str, Any] = {}
     error = ""
     async with http.post(url, json=body) as response:
-        if response.status != 200:
+        status = response.status
+        engine = response.headers.get(ENGINE_HEADER, "")
+        if status != 200:
             detail = (await response.text())[:300]
-            return _failed(sent - start, f"HTTP {response.status}: {detail}")
+            return _failed(sent - start, f"HTTP {status}: {detail}", status, engine)
         buffer = b""
         async for chunk in response.content.iter_any():
             buffer += chunk
@@ -157,6 +195,8 @@ async def _stream(http: Any, url: str, body: dict[str, Any], start: float) -> An
                 data = json.loads(line[6:])
                 if "error" in data:  # vLLM reports a failed stream inside it, after a 200
                     error = str(data["error"])
+                    code = data["error"].get("code") if isinstance(data["error"], dict) else None
+                    status = int(code or 500)
                 for choice in data.get("choices") or []:
                     if (choice.get("delta") or {}).get("content"):
                         stamps.append(time.perf_counter())
@@ -177,11 +217,13 @@ async def _stream(http: Any, url: str, body: dict[str, Any], start: float) -> An
         output_tokens=int(usage.get("completion_tokens") or 0),
         text="".join(text),
         error=error,
+        status=status,
+        engine=engine,
     )
 
 
-def _failed(at: float, error: str) -> Answer:
-    return Answer(-1, -1, False, at, 0.0, at, (), 0, 0, 0, "", error)
+def _failed(at: float, error: str, status: int = 0, engine: str = "") -> Answer:
+    return Answer(-1, -1, False, at, 0.0, at, (), 0, 0, 0, "", error, status, engine)
 
 
 def _at(answer: Answer, session: int, turn: int) -> Answer:

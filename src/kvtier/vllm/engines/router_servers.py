@@ -21,6 +21,9 @@ BLOCK = 32
 POOL_BLOCKS = 128  # each server's pool (num_gpu_blocks_override)
 TOPIC = "kv"
 SERVED_NAME = "tiny"
+# Each answer's length (ignore_eos) in the conversations the test and the benchmark
+# play: short, since what the router routes on is the prompts.
+MAX_TOKENS = 8
 
 
 def router_configs(
