@@ -32,7 +32,7 @@ from benchmarks.common import write_result
 from kvtier.router import Router, RouterConfig, router_thread
 from kvtier.vllm.engines import QWEN2_05B, TINY, ModelShape, write_model
 from kvtier.vllm.engines.chat_workloads import multi_turn
-from kvtier.vllm.engines.load_client import Answer, run_one_by_one
+from kvtier.vllm.engines.load_client import Answer, percentile, run_one_by_one
 from kvtier.vllm.engines.openai_server import running_servers
 from kvtier.vllm.engines.router_servers import (
     BLOCK,
@@ -48,10 +48,6 @@ from kvtier.vllm.engines.tokenizer import words, write_tokenizer
 MODEL = replace(QWEN2_05B, architecture="llama")
 
 
-def _p90(values: list[float]) -> float:
-    return statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else 0.0
-
-
 def summary(turns: list[Answer]) -> dict[str, Any]:
     returning = [t for t in turns if t.turn > 0]
     ttft = [t.ttft_s for t in turns]
@@ -60,9 +56,9 @@ def summary(turns: list[Answer]) -> dict[str, Any]:
         "requests": len(turns),
         "answered": sum(t.ok for t in turns),
         "ttft_mean_s": statistics.fmean(ttft),
-        "ttft_p90_s": _p90(ttft),
+        "ttft_p90_s": percentile(ttft, 90),
         "returning_ttft_mean_s": statistics.fmean(back) if back else 0.0,
-        "returning_ttft_p90_s": _p90(back),
+        "returning_ttft_p90_s": percentile(back, 90),
         "prompt_tokens": sum(t.prompt_tokens for t in turns),
         "cached_tokens": sum(t.cached_tokens for t in turns),
     }
