@@ -12,7 +12,7 @@ import pytest
 from kvtier import Request
 from kvtier.gpu import BlockStored
 from kvtier.hashing import hash_request_blocks
-from tests.gpu.helpers import allocate, make, snapshot
+from tests.pool.helpers import allocate, make, snapshot
 
 
 def _hashes(request: Request, m):  # type: ignore[no-untyped-def]

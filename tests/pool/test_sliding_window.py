@@ -6,7 +6,7 @@ from kvtier import Request
 from kvtier.gpu.block import KVCacheBlock
 from kvtier.gpu.sliding_window import find_sliding_window_hit, num_window_blocks
 from kvtier.types import BlockHash, int_block_hash
-from tests.gpu.helpers import allocate, append, make, snapshot
+from tests.pool.helpers import allocate, append, make, snapshot
 
 NULL = 0  # the placeholder block id
 

@@ -7,7 +7,7 @@ import pytest
 from kvtier import Request
 from kvtier.gpu import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.hashing import hash_request_blocks
-from tests.gpu.helpers import allocate, append, make, snapshot
+from tests.pool.helpers import allocate, append, make, snapshot
 
 
 def run_prefill(manager, request):  # type: ignore[no-untyped-def]

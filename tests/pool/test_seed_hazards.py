@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier import Request
-from tests.gpu.helpers import allocate, make, snapshot
+from tests.pool.helpers import allocate, make, snapshot
 
 
 def test_the_scheduler_owns_num_computed_tokens() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from kvtier import Request
 from kvtier.hashing import hash_request_blocks
 from kvtier.types import BlockHash
-from tests.gpu.helpers import allocate, make
+from tests.pool.helpers import allocate, make
 
 
 def _index(m: object) -> list[tuple[BlockHash, list[int]]]:

@@ -26,7 +26,7 @@ from hypothesis.stateful import (
 from kvtier import KVCacheManager, Request
 from kvtier.gpu import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.hashing import hash_request_blocks
-from tests.gpu.helpers import allocate, append, snapshot
+from tests.pool.helpers import allocate, append, snapshot
 
 BLOCK_SIZE = 2
 MAX_MODEL_LEN = 14
