@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -47,7 +46,7 @@ from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
 from kvtier.transfer.cascade_handler import CascadeHandler
-from kvtier.transfer.device import DeviceKV
+from kvtier.transfer.pages import PagedDeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
 from kvtier.vllm.offloading.job_specs import (
@@ -61,42 +60,6 @@ from kvtier.vllm.offloading.job_specs import (
 
 log = logging.getLogger(__name__)
 FLUSH_BATCH = 64  # blocks per disk write of the flush at shutdown
-
-
-class CanonicalDeviceKV(DeviceKV):
-    """vLLM's canonical caches as kvtier's per-block segments (a K and a V half per page)."""
-
-    def __init__(self, layout: KVLayout, kv_caches: CanonicalKVCaches) -> None:
-        tensors = [t.tensor for t in kv_caches.tensors]
-        if len(tensors) != layout.num_layers:
-            raise ValueError(
-                f"vLLM registered {len(tensors)} KV cache tensors, the layout expects "
-                f"{layout.num_layers} (one per attention layer of its largest KV-cache group)"
-            )
-        page = 2 * layout.segment_bytes
-        num_blocks = int(tensors[0].shape[0])
-        for t in tensors:
-            if tuple(t.shape) != (num_blocks, page) or t.stride() != (page, 1):
-                raise ValueError(
-                    f"KV cache tensor of shape {tuple(t.shape)} strides {t.stride()}: kvtier "
-                    f"needs [{num_blocks}, {page}] pages laid out one after another"
-                )
-        self.layout = layout
-        self.caches = tensors
-        self.device = tensors[0].device
-        self.num_blocks = num_blocks
-        halves = [t.view(torch.uint8).view(num_blocks, 2, layout.segment_bytes) for t in tensors]
-        self.segments = [half[:, i] for half in halves for i in (0, 1)]
-        self.is_cuda = self.device.type == "cuda"
-        self.arrays: list[npt.NDArray[np.uint8]] = (
-            [] if self.is_cuda else [seg.numpy() for seg in self.segments]
-        )
-
-    @property
-    def torch_threads(self) -> int | None:
-        """Threads for each of kvtier's copying threads' torch ops: on the CPU platform
-        vLLM's OpenMP threads hold every core, so one (see `limit_torch_threads`)."""
-        return None if self.is_cuda else 1
 
 
 def _slots_of(part: Part) -> list[tuple[int, BlockHash]]:
@@ -156,7 +119,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         `remote`: a `RemoteTier` opened for `layout` (closed by `shutdown`);
         `report_failures`: failures go to the report (KvtierConnector) rather than into
         the results, which vLLM's own connector asserts are all successful."""
-        self.kv = CanonicalDeviceKV(layout, kv_caches)
+        self.kv = PagedDeviceKV(layout, [t.tensor for t in kv_caches.tensors])
         self.memory = MemoryStore(layout, num_cpu_slots, checksums=config.cpu_checksums)
         self.report_failures = report_failures
         self.disk: DiskStore | None = None

@@ -20,6 +20,7 @@ larger than the engine's), vLLM's direct layout (no `canonical_layout`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -39,8 +40,9 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier.offload.abstract import LoadStoreSpec as KvtierSpec
 from kvtier.transfer.device import DeviceKV, copy_blocks
+from kvtier.transfer.handlers import Streams
+from kvtier.transfer.pages import PagedDeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
-from kvtier.vllm.offloading.kvtier_worker import CanonicalDeviceKV
 from kvtier.vllm.offloading.offloading_spec import layout_for
 
 
@@ -57,28 +59,35 @@ class ChunkSpec(KvtierSpec):
 
 class RegionHandler:
     """Engine blocks <-> rows of vLLM's shared region, segment by segment (a K and a V
-    half of each layer's page, as `CanonicalDeviceKV` cuts the engine's pages)."""
+    half of each layer's page, as `PagedDeviceKV` cuts the engine's pages)."""
 
     def __init__(self, kv: DeviceKV, rows: list[torch.Tensor]) -> None:
         self.kv = kv
         self.rows = rows
+        self._streams = Streams(kv)  # on CUDA: the copy streams and their ordering events
 
-    def prepare_store(self) -> Any:
+    def ready_event(self) -> Any:
         return self.kv.record_compute()
 
     def store(self, device_ids: npt.NDArray[np.int64], spec: KvtierSpec, ready: Any) -> int:
         assert isinstance(spec, ChunkSpec)
-        return copy_blocks(self.kv.segments, device_ids, self.rows, spec.chunk_ids)
+        copy = functools.partial(
+            copy_blocks, self.kv.segments, device_ids, self.rows, spec.chunk_ids
+        )
+        return self._streams.run(self._streams.store, ready, copy)
 
-    def load(self, spec: KvtierSpec, device_ids: npt.NDArray[np.int64]) -> int:
+    def load(self, spec: KvtierSpec, device_ids: npt.NDArray[np.int64], ready: Any = None) -> int:
         assert isinstance(spec, ChunkSpec)
-        return copy_blocks(self.rows, spec.chunk_ids, self.kv.segments, device_ids)
+        copy = functools.partial(
+            copy_blocks, self.rows, spec.chunk_ids, self.kv.segments, device_ids
+        )
+        return self._streams.run(self._streams.load, ready, copy)
 
 
 class KvtierRegionWorker(OffloadingWorker):
     """vLLM's `OffloadingWorker` over the shared region, on kvtier's transfer worker."""
 
-    def __init__(self, kv: CanonicalDeviceKV, region: SharedOffloadRegion) -> None:
+    def __init__(self, kv: PagedDeviceKV, region: SharedOffloadRegion) -> None:
         self._region = region
         rows: list[torch.Tensor] = []
         for cache in kv.caches:
@@ -136,7 +145,7 @@ class KvtierTieringOffloadingSpec(TieringOffloadingSpec):
                 f"chunk in vLLM's direct layout; got blocks_per_chunk={self.blocks_per_chunk}"
                 f", canonical_layout={self.config.canonical_layout}"
             )
-        kv = CanonicalDeviceKV(layout_for(self.config), kv_caches)
+        kv = PagedDeviceKV(layout_for(self.config), [t.tensor for t in kv_caches.tensors])
         region = SharedOffloadRegion(
             engine_id=self.config.engine_id,
             num_chunks=self.num_chunks,
