@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo vllm-demo test lint typecheck unit bench redis-server clean
+.PHONY: demo vllm-demo test lint typecheck unit bench redis-server gpu-wheels gpu-check clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,33 @@ test: lint typecheck unit
 
 bench: $(VENV)/.test redis-server
 	$(PY) -m benchmarks.run_all
+
+# The CUDA data plane on a GPU machine with torch but no vLLM and no network
+# (`make gpu-check`): kvtier installed from this tree into $(GPU_SITE), its
+# dependencies that such a machine lacks taken from the wheels in $(GPU_WHEELS)
+# (fetched beforehand, on a machine with network, by `make gpu-wheels`); then
+# tests/gpu and benchmarks/bench_copy.py, results and a summary in $(GPU_OUT).
+GPU_PYTHON  ?= python3
+GPU_PY_VER  ?= 3.12
+GPU_WHEELS  ?= .whl
+GPU_SITE    ?= build/gpu-site
+GPU_OUT     ?= out/gpu
+GPU_REQS    := cbor2==6.3.0 redis==8.1.0 hatchling==1.33.0 tomlkit==0.15.2 \
+               trove-classifiers==2026.9.21.13 packaging==26.4
+GPU_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --python-version $(GPU_PY_VER) --implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS) $(GPU_REQS)
+
+gpu-check:
+	@ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1 || { echo "no wheels in $(GPU_WHEELS): run 'make gpu-wheels' first"; exit 2; }
+	rm -rf $(GPU_SITE)
+	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-index --no-deps \
+	  --no-compile --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE) $(GPU_PYTHON) -m pip install -q --disable-pip-version-check \
+	  --no-index --no-deps --no-build-isolation --no-compile --target $(GPU_SITE) .
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE) $(GPU_PYTHON) -m benchmarks.gpu_check --out $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -296,7 +296,10 @@ def test_a_worker_limits_torch_threads_in_its_own_threads_only() -> None:
     class Probe:
         kv = random_kv(LAYOUTS[0], num_blocks=2, seed=1)
 
-        def load(self, spec: object, device_ids: object) -> int:
+        def ready_event(self) -> None:
+            return None
+
+        def load(self, spec: object, device_ids: object, ready: object = None) -> int:
             seen.append(torch.get_num_threads())
             return 0
 

@@ -73,7 +73,7 @@ class CascadeHandler:
         """An ordered worker (one thread, submission order) for this handler."""
         return TransferWorker(cls(kv, memory, disk), max_queued_jobs=max_queued_jobs, ordered=True)
 
-    def prepare_store(self) -> Any:
+    def ready_event(self) -> Any:
         return self.kv.record_compute()
 
     def take_lost(self) -> list[BlockHash]:
@@ -99,21 +99,25 @@ class CascadeHandler:
                 moved += self._staged.store(device_ids[spec.disk_positions], spec.disk, ready)
         return moved
 
-    def load(self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64]) -> int:
+    def load(
+        self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64], ready: Any = None
+    ) -> int:
         if not isinstance(spec, CascadeLoadSpec):
             raise TypeError(f"cascade load job needs a CascadeLoadSpec, got {spec!r}")
         self._demote(spec.demotion)
         moved = 0
         if spec.cpu is not None:
-            moved += self._host.load(spec.cpu, device_ids[spec.cpu_positions])
+            moved += self._host.load(spec.cpu, device_ids[spec.cpu_positions], ready)
         if spec.disk is not None:
-            moved += self._load_disk(spec, device_ids)
+            moved += self._load_disk(spec, device_ids, ready)
         if spec.promotion is not None:
             promoted = device_ids[spec.promotion_positions]
             moved += self._host.store(promoted, spec.promotion, None)
         return moved
 
-    def _load_disk(self, spec: CascadeLoadSpec, device_ids: npt.NDArray[np.int64]) -> int:
+    def _load_disk(
+        self, spec: CascadeLoadSpec, device_ids: npt.NDArray[np.int64], ready: Any
+    ) -> int:
         """Disk blocks; those still being demoted come from their old CPU slot."""
         if not isinstance(spec.disk, DiskLoadStoreSpec):
             raise TypeError(f"cascade disk part needs a DiskLoadStoreSpec, got {spec.disk!r}")
@@ -122,7 +126,7 @@ class CascadeHandler:
             i for i, p in enumerate(positions) if p in spec.demoting and hashes[i] not in self.disk
         ]
         if not from_slot:
-            return self._staged.load(spec.disk, device_ids[positions])
+            return self._staged.load(spec.disk, device_ids[positions], ready)
         failed = [
             hashes[i].hex()
             for i in from_slot
@@ -133,12 +137,12 @@ class CascadeHandler:
         slot_set = set(from_slot)
         rest = [i for i in range(len(positions)) if i not in slot_set]
         slots = CPULoadStoreSpec([spec.demoting[positions[i]] for i in from_slot])
-        moved = self._host.load(slots, device_ids[[positions[i] for i in from_slot]])
+        moved = self._host.load(slots, device_ids[[positions[i] for i in from_slot]], ready)
         if rest:
             sub = DiskLoadStoreSpec(
                 [hashes[i] for i in rest], [spec.disk.block_ids[i] for i in rest]
             )
-            moved += self._staged.load(sub, device_ids[[positions[i] for i in rest]])
+            moved += self._staged.load(sub, device_ids[[positions[i] for i in rest]], ready)
         return moved
 
     def _demote(self, demotion: Demotion | None) -> None:

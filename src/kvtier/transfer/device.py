@@ -101,7 +101,7 @@ class DeviceKV:
         if not self.is_cuda:
             return None
         event = cuda_event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(current_stream(self.device))
         return event
 
 
@@ -152,6 +152,16 @@ def cuda_event() -> Any:
 
 def cuda_stream(device: torch.device) -> Any:
     return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+
+def current_stream(device: torch.device) -> Any:
+    """The stream the engine computes on (the calling thread's current one)."""
+    return torch.cuda.current_stream(device)
+
+
+def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """Make `stream` current for the copies issued inside (CUDA only)."""
+    return torch.cuda.stream(stream)
 
 
 def coalesce_runs(

@@ -29,30 +29,45 @@ from kvtier.offload.mediums import BlockIDsLoadStoreSpec
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore, block_segments
 from kvtier.store.protocol import BlockStore
+from kvtier.transfer.cuda_copy import HostSide, KernelCopier, prefer_kernel
 from kvtier.transfer.device import (
     DeviceKV,
     copy_blocks,
     cuda_event,
     cuda_stream,
     float_copy_thread,
+    on_stream,
     stack_planes,
 )
 
 
 class TransferHandler(Protocol):
-    """What the worker calls; `prepare_store` runs on the submitting thread."""
+    """What the worker calls; `ready_event` runs on the submitting thread, and a job's
+    copies wait for what it returns (see `Streams`)."""
 
     kv: DeviceKV
 
-    def prepare_store(self) -> Any: ...
+    def ready_event(self) -> Any: ...
 
     def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int: ...
 
-    def load(self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64]) -> int: ...
+    def load(
+        self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64], ready: Any = None
+    ) -> int: ...
 
 
-class _Streams:
-    """One CUDA copy stream per direction, so stores and loads overlap."""
+class Streams:
+    """One CUDA copy stream per direction, so stores and loads overlap.
+
+    The orderings that keep bytes right: a job's copy waits on the event the engine's
+    compute stream recorded when the job was submitted (a store: the kernels that wrote
+    its blocks come first; a load: whatever the engine still had queued on its
+    destination blocks, such as their zeroing or the last reads of their previous
+    request, as vLLM's own worker orders its loads), and a copy is reported only once
+    its own event has completed (the engine reads a loaded block, or a tier reads a
+    stored one, only after the bytes are there). `tests/gpu/test_ordering.py` fails if
+    any of them is removed.
+    """
 
     def __init__(self, kv: DeviceKV) -> None:
         self.kv = kv
@@ -63,7 +78,7 @@ class _Streams:
         """Run `copy` on `stream` after `ready`, and return once the copy has finished."""
         if stream is None:
             return copy()
-        with torch.cuda.stream(stream):
+        with on_stream(stream):
             if ready is not None:
                 stream.wait_event(ready)
             moved = copy()
@@ -90,9 +105,17 @@ class HostSlotHandler:
             raise ValueError(f"copy_threads must be >= 1, got {copy_threads}")
         self.kv = kv
         self.host = store
-        self._streams = _Streams(kv)
+        self._streams = Streams(kv)
         self._host_segments = store.segments()
         self._host_arrays = None if kv.is_cuda else store.segment_arrays()
+        # on a GPU: one kernel straight into the pinned slots, where it beats the DMAs
+        self._kernel = KernelCopier.for_device(kv) if store.buffer.is_pinned() else None
+        if self._kernel is not None:
+            seg = kv.layout.segment_bytes
+            self._host_side = self._kernel.host_side(store.buffer, seg, store.num_slots * seg)
+        # strided segments (vLLM's pages cut in K and V halves) have no DMA of their own:
+        # torch copies them through a device buffer in series (0.75-0.86 of the link)
+        self._kernel_always = any(not seg.is_contiguous() for seg in kv.segments)
         self._stacks = {
             "store": stack_planes(kv.segments, self._host_segments),
             "load": stack_planes(self._host_segments, kv.segments),
@@ -118,7 +141,18 @@ class HostSlotHandler:
             self._helpers.shutdown(wait=True)
 
     def _copy(self, direction: str, src_ids: Any, dst_ids: Any) -> int:
-        """`copy_blocks` in `direction`, its segments shared among the copy threads."""
+        """`copy_blocks` in `direction`, its segments shared among the copy threads (on a
+        GPU: one kernel instead, where it beats one DMA per segment and run)."""
+        kernel = self._kernel
+        if kernel is not None and (
+            self._kernel_always
+            or prefer_kernel(
+                src_ids, dst_ids, len(self.kv.segments), self.kv.layout.bytes_per_block
+            )
+        ):
+            if direction == "store":
+                return kernel.to_host(src_ids, self._host_side, dst_ids)
+            return kernel.from_host(self._host_side, src_ids, dst_ids)
         kv_side = (self.kv.segments, self.kv.arrays or None)
         host_side = (self._host_segments, self._host_arrays)
         (src, src_arrays), (dst, dst_arrays) = (
@@ -155,7 +189,7 @@ class HostSlotHandler:
             wait_all(futures)
         return moved + sum(future.result() for future in futures)
 
-    def prepare_store(self) -> Any:
+    def ready_event(self) -> Any:
         return self.kv.record_compute()
 
     def merge(self, specs: Sequence[LoadStoreSpec]) -> LoadStoreSpec | None:
@@ -179,11 +213,13 @@ class HostSlotHandler:
         self.host.seal(slots)
         return moved
 
-    def load(self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64]) -> int:
+    def load(
+        self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64], ready: Any = None
+    ) -> int:
         slots = self.host.slot_ids(spec)
         self.host.verify(slots)
         return self._streams.run(
-            self._streams.load, None, lambda: self._copy("load", slots, device_ids)
+            self._streams.load, ready, lambda: self._copy("load", slots, device_ids)
         )
 
 
@@ -204,7 +240,7 @@ class StagedHandler:
         store.layout.check_compatible(kv.layout.fingerprint, "the block store")
         self.kv = kv
         self.medium = store
-        self._streams = _Streams(kv)
+        self._streams = Streams(kv)
         # Flat byte views of the engine's segments: a block's piece is a slice of one
         # (about 0.1 us), where a numpy row's buffer export costs microseconds per block.
         # Only for segments stored back to back (vLLM's pages hold K then V, so a plane's
@@ -215,9 +251,17 @@ class StagedHandler:
         self._rows = on_cpu and len(self._flat) == 1
         self._segmented = on_cpu and not self._rows and hasattr(store, "write_segments")
         self._staging: dict[str, _Staging] = {}
+        # on a GPU: one kernel between the device and the pinned staging rows (a
+        # segment's rows are strided there, which a DMA per segment would copy slowly)
+        self._kernel = KernelCopier.for_device(kv)
 
-    def prepare_store(self) -> Any:
+    def ready_event(self) -> Any:
         return self.kv.record_compute()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes held for staging (pinned with CUDA): grown to the largest job, kept."""
+        return sum(s.buffer.numel() for s in self._staging.values())
 
     def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
         moved = len(device_ids) * self.kv.layout.bytes_per_block
@@ -228,16 +272,13 @@ class StagedHandler:
             self.medium.write_segments(spec, self._segment_views(device_ids))  # type: ignore[attr-defined]
             return moved
         staging = self._stage("store", len(device_ids))
-        slots = np.arange(len(device_ids), dtype=np.int64)
-        self._streams.run(
-            self._streams.store,
-            ready,
-            lambda: copy_blocks(self.kv.segments, device_ids, staging.segments, slots),
-        )
-        self.medium.write_blocks(spec, staging.rows[: len(slots)])
+        self._streams.run(self._streams.store, ready, lambda: self._to_staging(device_ids, staging))
+        self.medium.write_blocks(spec, staging.rows[: len(device_ids)])
         return moved
 
-    def load(self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64]) -> int:
+    def load(
+        self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64], ready: Any = None
+    ) -> int:
         moved = len(device_ids) * self.kv.layout.bytes_per_block
         if self._rows:
             self.medium.read_blocks(spec, self._row_views(device_ids))
@@ -246,14 +287,28 @@ class StagedHandler:
             self.medium.read_segments(spec, self._segment_views(device_ids))  # type: ignore[attr-defined]
             return moved
         staging = self._stage("load", len(device_ids))
-        slots = np.arange(len(device_ids), dtype=np.int64)
-        self.medium.read_blocks(spec, staging.rows[: len(slots)])
+        self.medium.read_blocks(spec, staging.rows[: len(device_ids)])
         self._streams.run(
-            self._streams.load,
-            None,
-            lambda: copy_blocks(staging.segments, slots, self.kv.segments, device_ids),
+            self._streams.load, ready, lambda: self._from_staging(staging, device_ids)
         )
         return moved
+
+    def _to_staging(self, device_ids: npt.NDArray[np.int64], staging: _Staging) -> int:
+        slots = np.arange(len(device_ids), dtype=np.int64)
+        if self._kernel is not None:
+            return self._kernel.to_host(device_ids, self._rows_side(staging), slots)
+        return copy_blocks(self.kv.segments, device_ids, staging.segments, slots)
+
+    def _from_staging(self, staging: _Staging, device_ids: npt.NDArray[np.int64]) -> int:
+        slots = np.arange(len(device_ids), dtype=np.int64)
+        if self._kernel is not None:
+            return self._kernel.from_host(self._rows_side(staging), slots, device_ids)
+        return copy_blocks(staging.segments, slots, self.kv.segments, device_ids)
+
+    def _rows_side(self, staging: _Staging) -> HostSide:
+        assert self._kernel is not None
+        layout = self.kv.layout
+        return self._kernel.host_side(staging.buffer, layout.bytes_per_block, layout.segment_bytes)
 
     def _row_views(self, device_ids: npt.NDArray[np.int64]) -> list[memoryview]:
         rows, size = self._flat[0], self._seg_bytes
@@ -267,7 +322,7 @@ class StagedHandler:
         staging = self._staging.get(direction)
         if staging is None or len(staging.rows) < num_blocks:
             size = max(num_blocks, 2 * len(staging.rows) if staging else 8)
-            staging = _Staging(self.kv.layout, size, pin_memory=self.kv.is_cuda)
+            staging = _Staging(self.kv.layout, size, pin_memory=self.kv.device.type == "cuda")
             self._staging[direction] = staging
         return staging
 

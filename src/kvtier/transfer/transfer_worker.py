@@ -160,7 +160,7 @@ class TransferWorker:
     ) -> bool:
         """Queue a store; False when rejected (reported later as a failed result)."""
         ids = self.handler.kv.block_ids(device_block_ids)
-        job = _Job(job_id, ids, dst_spec, self.handler.prepare_store())
+        job = _Job(job_id, ids, dst_spec, self.handler.ready_event())
         return self._submit(STORE, job)
 
     def submit_load(
@@ -171,7 +171,7 @@ class TransferWorker:
     ) -> bool:
         """Queue a load; False when rejected (reported later as a failed result)."""
         ids = self.handler.kv.block_ids(device_block_ids)
-        return self._submit(LOAD, _Job(job_id, ids, src_spec, None))
+        return self._submit(LOAD, _Job(job_id, ids, src_spec, self.handler.ready_event()))
 
     def submit_discard(self, job_id: int, block_hashes: Sequence[BlockHash]) -> bool:
         """Queue the deletion of blocks the scheduler let go of (evicted, or failed). It
@@ -207,6 +207,12 @@ class TransferWorker:
         with self._lock:
             finished, self._finished = self._finished, []
         return finished
+
+    @property
+    def num_in_flight(self) -> int:
+        """Jobs submitted and not yet handed out by `get_finished` (what the worker holds)."""
+        with self._lock:
+            return len(self._outstanding) + len(self._finished)
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
         """Block until every listed job has finished; False on timeout."""
@@ -308,7 +314,7 @@ class TransferWorker:
         ids = np.concatenate([job.device_ids for job in batch])
         if direction == LOAD and len(np.unique(ids)) != len(ids):
             return None
-        # a store's copy waits for the last job's compute event: events are recorded in
+        # the copy waits for the last job's compute event: events are recorded in
         # submission order on one stream, so it follows all the earlier ones too
         return _Job(batch[0].job_id, ids, spec, batch[-1].ready)
 
@@ -323,7 +329,7 @@ class TransferWorker:
             elif direction == STORE:
                 moved = self.handler.store(job.device_ids, job.spec, job.ready)
             else:
-                moved = self.handler.load(job.spec, job.device_ids)
+                moved = self.handler.load(job.spec, job.device_ids, job.ready)
         except Exception as exc:  # a medium failure fails this job, never the scheduler
             if merged:
                 log.debug("%s of %d merged jobs failed (%r): one by one", direction, merged, exc)

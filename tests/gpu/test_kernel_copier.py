@@ -1,0 +1,85 @@
+"""The copy kernel: scattered device blocks to pinned host memory of either arrangement
+(the CPU tier's segment-major planes, staging's slot-major rows) and back, every byte
+checked; and the choice between it and one DMA per segment and run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.transfer.cuda_copy import KernelCopier, prefer_kernel
+from tests.gpu.kit import LAYOUTS, block_bytes, make_kv
+
+DEVICE_IDS = np.array([5, 2, 9, 10, 11, 0, 7, 30, 31], dtype=np.int64)
+HOST_IDS = np.array([0, 1, 2, 3, 8, 9, 4, 5, 6], dtype=np.int64)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arrangement", ["segment_major", "slot_major"])
+def test_blocks_reach_host_memory_and_come_back(
+    cuda: torch.device, layout: str, arrangement: str
+) -> None:
+    kv = make_kv(layout, 32, cuda, seed=1)
+    copier = KernelCopier.for_device(kv)
+    assert copier is not None, "torch's CUDA builds bring Triton: the kernel path"
+    seg, num_segments, slots = kv.layout.segment_bytes, len(kv.segments), 10
+    host = torch.zeros(slots * kv.layout.bytes_per_block, dtype=torch.uint8, pin_memory=True)
+    if arrangement == "segment_major":  # the CPU tier's planes
+        side = copier.host_side(host, seg, slots * seg)
+        planes = host.view(num_segments, slots, seg)
+
+        def stored(slot: int) -> bytes:
+            return b"".join(planes[k, slot].numpy().tobytes() for k in range(num_segments))
+    else:  # staging rows
+        side = copier.host_side(host, kv.layout.bytes_per_block, seg)
+
+        def stored(slot: int) -> bytes:
+            return host.view(slots, -1)[slot].numpy().tobytes()
+
+    moved = copier.to_host(DEVICE_IDS, side, HOST_IDS)
+    torch.cuda.synchronize()
+    assert moved == len(DEVICE_IDS) * kv.layout.bytes_per_block
+    for d, h in zip(DEVICE_IDS.tolist(), HOST_IDS.tolist(), strict=True):
+        assert stored(h) == block_bytes(kv, d), f"host block {h}"
+    assert stored(7) == bytes(kv.layout.bytes_per_block)  # a block no job named: untouched
+    before = {b: block_bytes(kv, b) for b in range(32)}
+    targets = np.array([12, 13, 14, 1, 20, 21, 3, 27, 15], dtype=np.int64)
+    copier.from_host(side, HOST_IDS, targets)
+    torch.cuda.synchronize()
+    for t, d in zip(targets.tolist(), DEVICE_IDS.tolist(), strict=True):
+        assert block_bytes(kv, t) == before[d], f"block {t}"
+    assert all(block_bytes(kv, b) == before[b] for b in set(range(32)) - set(targets.tolist()))
+
+
+def test_bad_arguments_name_what_is_wrong(cuda: torch.device) -> None:
+    kv = make_kv("per_layer", 8, cuda, seed=2)
+    copier = KernelCopier.for_device(kv)
+    assert copier is not None
+    pageable = torch.zeros(4 * kv.layout.bytes_per_block, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="pinned"):
+        copier.host_side(pageable, kv.layout.bytes_per_block, kv.layout.segment_bytes)
+    side = copier.host_side(
+        pageable.pin_memory(), kv.layout.bytes_per_block, kv.layout.segment_bytes
+    )
+    with pytest.raises(ValueError, match="3 device blocks for 2 host blocks"):
+        copier.to_host(np.arange(3), side, np.arange(2))
+
+
+def test_cpu_tensors_get_no_kernel() -> None:
+    kv = make_kv("per_layer", 8, torch.device("cpu"), seed=3)
+    assert KernelCopier.for_device(kv) is None
+    with pytest.raises(ValueError, match="needs CUDA"):
+        KernelCopier(kv)
+
+
+def test_the_kernel_is_chosen_where_dmas_would_be_short() -> None:
+    per_block, segments = 2 << 20, 64  # an 8B model's 16-token block: 64 segments of 32 KiB
+    scattered = np.random.default_rng(0).permutation(512)[:32]
+    consecutive = np.arange(512, dtype=np.int64)
+    # scattered blocks: one 32 KiB DMA per block and segment
+    assert prefer_kernel(scattered, np.arange(32), segments, per_block)
+    # a run of 512 blocks: 64 DMAs of 16 MiB, each at the link's rate
+    assert not prefer_kernel(consecutive, consecutive, segments, per_block)
+    # the cross-layer layout (one segment): a run of 32 blocks is one 64 MiB DMA
+    assert not prefer_kernel(consecutive[:32], consecutive[:32], 1, per_block)
