@@ -58,6 +58,16 @@ def environment() -> dict[str, Any]:
     return info
 
 
+def _run(cmd: list[str], timeout: float) -> dict[str, Any]:
+    """Run `cmd` within `timeout` seconds: its exit status (-1: timed out) and time."""
+    start = time.monotonic()
+    try:
+        code = subprocess.run(cmd, timeout=timeout, check=False).returncode
+    except subprocess.TimeoutExpired:
+        code = -1
+    return {"exit": code, "seconds": round(time.monotonic() - start, 1)}
+
+
 def run_tests(out: Path, timeout: float) -> dict[str, Any]:
     xml = out / "gpu_tests.xml"
     cmd = [
@@ -70,12 +80,7 @@ def run_tests(out: Path, timeout: float) -> dict[str, Any]:
         "no:cacheprovider",
         f"--junitxml={xml}",
     ]
-    start = time.monotonic()
-    try:
-        code = subprocess.run(cmd, timeout=timeout, check=False).returncode
-    except subprocess.TimeoutExpired:
-        code = -1
-    result: dict[str, Any] = {"exit": code, "seconds": round(time.monotonic() - start, 1)}
+    result = _run(cmd, timeout)
     if not xml.exists():
         return {
             **result,
@@ -99,13 +104,8 @@ def run_tests(out: Path, timeout: float) -> dict[str, Any]:
 def run_bench(out: Path, timeout: float, extra: list[str]) -> dict[str, Any]:
     path = out / "bench_copy.json"
     cmd = [sys.executable, "-m", "benchmarks.bench_copy", "--out", str(path), *extra]
-    start = time.monotonic()
-    try:
-        code = subprocess.run(cmd, timeout=timeout, check=False).returncode
-    except subprocess.TimeoutExpired:
-        code = -1
-    result: dict[str, Any] = {"exit": code, "seconds": round(time.monotonic() - start, 1)}
-    if code != 0 or not path.exists():
+    result = _run(cmd, timeout)
+    if result["exit"] != 0 or not path.exists():
         return result
     return {**result, **json.loads(path.read_text())}
 
