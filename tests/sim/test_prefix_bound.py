@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from benchmarks.bench_prefix_gap import admission_oracle_hits, used_again
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -113,6 +114,22 @@ def test_no_policy_beats_the_optimum(drawn: tuple[Requests, bool], capacity: int
     for policy in available_policies():
         result = replay(workload, ReplayConfig(policy, cpu_blocks=capacity))
         assert result.prefix_hit_blocks <= optimum, policy
+
+
+def test_the_admission_oracle_stores_only_blocks_used_again() -> None:
+    workload = workload_of([[1, 2, 3], [1, 2, 4], [1, 2, 3]], chained=True)
+    assert used_again(workload) == [[True, True, True], [True, True, False], [False] * 3]
+    # three slots: LRU stores 4 in place of 3 (2 + 2 hits); the oracle never stores 4
+    assert admission_oracle_hits(workload, 3, used_again(workload)) == 2 + 3
+    assert replay(workload, ReplayConfig("lru", cpu_blocks=3)).prefix_hit_blocks == 2 + 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(requests=chained_requests(), capacity=st.integers(1, 4))
+def test_the_admission_oracle_is_a_schedule_of_the_model(requests: Requests, capacity: int) -> None:
+    workload = workload_of(requests, chained=True)
+    hits = admission_oracle_hits(workload, capacity, used_again(workload))
+    assert hits <= brute_force_prefix_hits(requests, capacity)
 
 
 # prefix MIN's prefix hits on ../shared/traces/conversation_trace.jsonl, equal to Belady's
