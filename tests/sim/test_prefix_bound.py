@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from benchmarks.bench_prefix_gap import admission_oracle_hits, used_again
+from benchmarks.bench_prefix_gap import admission_oracle_hits, signals, used_again
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -122,6 +122,20 @@ def test_the_admission_oracle_stores_only_blocks_used_again() -> None:
     # three slots: LRU stores 4 in place of 3 (2 + 2 hits); the oracle never stores 4
     assert admission_oracle_hits(workload, 3, used_again(workload)) == 2 + 3
     assert replay(workload, ReplayConfig("lru", cpu_blocks=3)).prefix_hit_blocks == 2 + 2
+
+
+def test_signals_count_first_seen_blocks_but_the_last() -> None:
+    doc = signals(workload_of([[1, 2, 3], [1, 2, 4], [1, 2, 3]], chained=True))
+    shares = doc["used_again_share"]
+    # only 1 and 2 of the first request count: 4 is its request's last block
+    assert shares["depth_in_new_part"] == {
+        "<0.25": {"blocks": 1, "used_again": 1.0},
+        "<0.5": {"blocks": 1, "used_again": 1.0},
+    }
+    assert shares["turn"] == {"<2": {"blocks": 2, "used_again": 1.0}}
+    assert shares["uses_of_deepest_hit"] == {"none": {"blocks": 2, "used_again": 1.0}}
+    assert doc["one_more_use_after_k"] == {"1": 3 / 4, "2": 2 / 3, "3": 0.0}
+    assert len(doc["reuse_gap_requests_quartiles"]) == 3  # of the gaps 1, 1 and 2
 
 
 @settings(max_examples=40, deadline=None)
