@@ -22,7 +22,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvtier.sim.prefix_bound import prefix_min_hits
+from kvtier.sim.prefix_bound import exhaustive_prefix_hits, prefix_min_hits
 from kvtier.sim.workload import Workload
 
 
@@ -127,24 +127,11 @@ def belady_hits(refs: Sequence[int], capacity: int) -> int:
 
 
 def brute_force_hits(refs: Sequence[int], capacity: int) -> int:
-    """The true optimum by exhaustive search over cache contents (tiny traces only)."""
+    """The true optimum by exhaustive search over cache contents (tiny traces only): the
+    prefix-aware search over requests of one block each, whose hits are block hits."""
     if len(refs) > 24:
         raise ValueError(f"brute force is exponential; got {len(refs)} references (max 24)")
-    from itertools import combinations
-
-    best: dict[frozenset[int], int] = {frozenset(): 0}
-    for b in refs:
-        step: dict[frozenset[int], int] = {}
-        for state, hits in best.items():
-            gained = hits + (b in state)
-            pool = sorted(state | {b})
-            for k in range(min(capacity, len(pool)) + 1):
-                for keep in combinations(pool, k):
-                    key = frozenset(keep)
-                    if step.get(key, -1) < gained:
-                        step[key] = gained
-        best = step
-    return max(best.values())
+    return exhaustive_prefix_hits([[b] for b in refs], capacity)
 
 
 def compute_bounds(workload: Workload, capacity: int, assumptions: tuple[str, ...] = ()) -> Bounds:

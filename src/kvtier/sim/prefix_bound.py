@@ -92,11 +92,18 @@ def prefix_min_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
 
 def brute_force_prefix_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
     """The true optimum of the model by exhaustive search over tier contents (tiny only)."""
-    from itertools import combinations
-
     blocks = {b for ids in requests for b in ids}
     if len(blocks) > 10:
         raise ValueError(f"brute force is exponential; got {len(blocks)} distinct blocks (max 10)")
+    return exhaustive_prefix_hits(requests, capacity)
+
+
+def exhaustive_prefix_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
+    """The optimum by trying every tier content after every request: exponential in the
+    distinct blocks, unchecked (`brute_force_prefix_hits` and Belady's `brute_force_hits`,
+    whose one-block requests make it the per-block optimum, bound the size)."""
+    from itertools import combinations
+
     best: dict[frozenset[int], int] = {frozenset(): 0}
     for ids in requests:
         step: dict[frozenset[int], int] = {}
