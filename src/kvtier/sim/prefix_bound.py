@@ -23,7 +23,7 @@ child's (a request that holds the child holds the parent), so the parent's inter
 lies inside the child's and ends at the same request, and MIN never needs to keep a
 child without its parent. The tests hold this to a brute-force optimum on small
 traces; on traces whose ids name contents only (Bailian) the two can differ and
-both are reported. `kvtier.sim.bounds.compute_bounds` reports both ends beside Belady.
+both are reported (`kvtier.sim.bounds.compute_bounds` gives prefix MIN beside Belady).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 def _intervals(requests: Sequence[Sequence[int]]) -> tuple[list[int], list[list[tuple[int, int]]]]:
     """(usable[u], starts[p]): a request u can hit at most its first `usable[u]` blocks
     (up to its first block never seen before); starts[p] lists the (u, position) of
-    the blocks whose previous use before u is request p, deepest first."""
+    the blocks whose previous use before u is request p."""
     last: dict[int, int] = {}
     usable = [0] * len(requests)
     starts: list[list[tuple[int, int]]] = [[] for _ in requests]
@@ -51,8 +51,6 @@ def _intervals(requests: Sequence[Sequence[int]]) -> tuple[list[int], list[list[
         usable[u] = k
         for block in ids:
             last[block] = u
-    for entries in starts:
-        entries.sort(key=lambda e: -e[1])
     return usable, starts
 
 
