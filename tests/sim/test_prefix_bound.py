@@ -6,12 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from benchmarks.bench_prefix_gap import admission_oracle_hits, signals, used_again
+from benchmarks.bench_prefix_gap import (
+    HELD_OUT,
+    HELD_OUT_SEED,
+    admission_oracle_hits,
+    signals,
+    used_again,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.offload.policies import available_policies
-from kvtier.sim import ReplayConfig, replay
+from kvtier.sim import ReplayConfig, generate_workload, replay
 from kvtier.sim.bounds import belady_hits, compute_bounds
 from kvtier.sim.prefix_bound import brute_force_prefix_hits, prefix_min_hits
 from kvtier.sim.traces import TraceRequest
@@ -177,3 +183,27 @@ def test_golden_admission_oracle_on_conversation_trace(
     midpoint = (LRU_HITS[capacity] + PREFIX_GOLDEN[capacity]) / 2
     # at 1% even knowing which blocks come back stays below the target; at 5% it passes
     assert (hits < midpoint) == (capacity == 1827)
+
+
+# The held-out generated trace of bench_prefix_gap (seed 7, mix 0.5/0.2/0.3, 6,000
+# requests; `.venv/bin/python -m benchmarks.bench_prefix_gap`): capacity -> prefix
+# hits of prefix MIN (= Belady), the admission oracle, lru and reuse
+HELD_OUT_GOLDEN = {
+    1348: (467_490, 406_043, 367_879, 397_007),
+    6742: (532_957, 517_481, 487_883, 497_018),
+}
+
+
+@pytest.mark.slow
+def test_golden_held_out_trace() -> None:
+    workload = generate_workload(HELD_OUT, seed=HELD_OUT_SEED)
+    again = used_again(workload)
+    for capacity, golden in HELD_OUT_GOLDEN.items():
+        bounds = compute_bounds(workload, capacity)
+        assert bounds.prefix_exact
+        online = [
+            replay(workload, ReplayConfig(p, cpu_blocks=capacity)).prefix_hit_blocks
+            for p in ("lru", "reuse")
+        ]
+        oracle = admission_oracle_hits(workload, capacity, again)
+        assert (bounds.prefix_min_hits, oracle, *online) == golden, capacity
