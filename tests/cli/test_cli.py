@@ -29,7 +29,9 @@ def test_replay_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     for r in results:
         assert {"hit_rate", "prefix_hit_rate", "token_hit_rate", "tiers"} <= set(r)
         assert 0 <= r["prefix_hit_rate"] <= r["hit_rate"] <= bounds["belady"] <= bounds["infinite"]
+        assert r["prefix_hit_rate"] <= bounds["prefix_min"]  # exact on the chained generator
         assert set(r["tiers"]) == {"cpu"}
+    assert bounds["prefix_exact"] is True and bounds["prefix_min"] == bounds["belady"]
 
 
 def test_replay_is_reproducible_by_seed(capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,7 +47,7 @@ def test_replay_table_without_terminal_has_no_progress_bar(
 ) -> None:
     assert main(["replay", "--limit", "100", "--cpu-blocks", "50"]) == 0
     out = capsys.readouterr().out
-    assert "belady" in out and "infinite" in out and "lru" in out
+    assert "belady" in out and "infinite" in out and "lru" in out and "prefix MIN" in out
     assert "━" not in out.split("policy")[0]  # no bar drawn before the table
 
 
@@ -123,6 +125,7 @@ def test_compare_table_png_and_html(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert len(doc["results"]) == 4  # type: ignore[arg-type]
     belady = doc["bounds"]["belady"]  # type: ignore[index]
     assert list(belady.values()) == sorted(belady.values())
+    assert doc["bounds"]["prefix_min"] == belady  # type: ignore[index]
 
 
 def test_compare_on_real_trace_reproduces_published_lru(

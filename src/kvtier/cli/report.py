@@ -135,7 +135,9 @@ def replay_rows(report: ReplayReport) -> list[list[str]]:
                 f"{sum(t.stores for t in r.offload_tiers):,}",
             ]
         )
-    rows.append(["belady", f"{report.bounds.belady:.4f}", "", "", "", ""])
+    b = report.bounds
+    rows.append(["belady", f"{b.belady:.4f}", f"{b.belady:.4f}", "", "", ""])
+    rows.append(["prefix MIN", "", f"{b.prefix_min:.4f}", "", "", ""])
     rows.append(["infinite", f"{report.bounds.infinite:.4f}", "", "", "", ""])
     return rows
 

@@ -110,6 +110,8 @@ class EnginesResult:
                 "total_blocks": self.bounds.capacity,
                 "infinite_prefix": self.bounds.infinite_prefix,
                 "belady": self.bounds.belady,
+                "prefix_min": self.bounds.prefix_min,
+                "prefix_exact": self.bounds.prefix_exact,
                 "assumptions": list(self.bounds.assumptions),
             },
             "seconds": self.seconds,

@@ -7,6 +7,10 @@
   is needed again sooner than the block it would replace; a block never needed
   again is never kept. `brute_force_hits` searches every admission/eviction choice
   on tiny traces and is what the tests hold Belady to.
+- Prefix-aware: the most *prefix* hits (the run from a request's first block, what
+  an engine can use) any policy of the same capacity can reach. At least the hits
+  of prefix MIN, an offline schedule (`kvtier.sim.prefix_bound`), at most Belady's;
+  on chained traces the two are equal, so the bound is exact there.
 
 The stream is each request's block ids in order, requests in arrival order (the
 published figures for the Mooncake trace are computed the same way).
@@ -18,6 +22,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvtier.sim.prefix_bound import exhaustive_prefix_hits, prefix_min_hits
 from kvtier.sim.workload import Workload
 
 
@@ -28,6 +33,8 @@ class Bounds:
     infinite_prefix_hits: int
     capacity: int
     belady_hits: int
+    # prefix hits of prefix MIN: the prefix-aware optimum is in [this, belady_hits]
+    prefix_min_hits: int = 0
     # What the bounds take for granted that the replayed tiers may not honour (a
     # shared tier counted as unbounded, or pre-filled by earlier runs).
     assumptions: tuple[str, ...] = ()
@@ -43,6 +50,16 @@ class Bounds:
     @property
     def belady(self) -> float:
         return self.belady_hits / self.block_refs if self.block_refs else 0.0
+
+    @property
+    def prefix_min(self) -> float:
+        """The prefix-aware bound's lower end: prefix MIN's prefix hit rate."""
+        return self.prefix_min_hits / self.block_refs if self.block_refs else 0.0
+
+    @property
+    def prefix_exact(self) -> bool:
+        """Whether prefix MIN reaches Belady: then both are the optimum prefix hit rate."""
+        return self.prefix_min_hits == self.belady_hits
 
 
 def flatten(workload: Workload) -> list[int]:
@@ -110,28 +127,15 @@ def belady_hits(refs: Sequence[int], capacity: int) -> int:
 
 
 def brute_force_hits(refs: Sequence[int], capacity: int) -> int:
-    """The true optimum by exhaustive search over cache contents (tiny traces only)."""
+    """The true optimum by exhaustive search over cache contents (tiny traces only): the
+    prefix-aware search over requests of one block each, whose hits are block hits."""
     if len(refs) > 24:
         raise ValueError(f"brute force is exponential; got {len(refs)} references (max 24)")
-    from itertools import combinations
-
-    best: dict[frozenset[int], int] = {frozenset(): 0}
-    for b in refs:
-        step: dict[frozenset[int], int] = {}
-        for state, hits in best.items():
-            gained = hits + (b in state)
-            pool = sorted(state | {b})
-            for k in range(min(capacity, len(pool)) + 1):
-                for keep in combinations(pool, k):
-                    key = frozenset(keep)
-                    if step.get(key, -1) < gained:
-                        step[key] = gained
-        best = step
-    return max(best.values())
+    return exhaustive_prefix_hits([[b] for b in refs], capacity)
 
 
 def compute_bounds(workload: Workload, capacity: int, assumptions: tuple[str, ...] = ()) -> Bounds:
-    """Both bounds start from empty tiers, at `capacity` blocks in all."""
+    """Every bound starts from empty tiers, at `capacity` blocks in all."""
     hits, prefix_hits = infinite_hits(workload.block_ids)
     return Bounds(
         block_refs=workload.block_refs,
@@ -139,5 +143,6 @@ def compute_bounds(workload: Workload, capacity: int, assumptions: tuple[str, ..
         infinite_prefix_hits=prefix_hits,
         capacity=capacity,
         belady_hits=belady_hits(flatten(workload), capacity),
+        prefix_min_hits=prefix_min_hits(workload.block_ids, capacity),
         assumptions=assumptions,
     )

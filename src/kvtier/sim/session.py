@@ -7,13 +7,14 @@ same answers (a notebook, a benchmark) calls these functions.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvtier.sim.bounds import Bounds, belady_hits, compute_bounds, flatten
 from kvtier.sim.generator import GeneratorConfig, generate_workload
 from kvtier.sim.metrics import ReplayResult
+from kvtier.sim.prefix_bound import prefix_min_hits
 from kvtier.sim.replay_config import Progress, ReplayConfig
 from kvtier.sim.run import replay
 from kvtier.sim.workload import Workload, load_workload
@@ -69,6 +70,9 @@ class ReplayReport:
                 "infinite": self.bounds.infinite,
                 "belady": self.bounds.belady,
                 "infinite_prefix": self.bounds.infinite_prefix,
+                # the prefix-aware bound: the best prefix hit rate is in [prefix_min, belady]
+                "prefix_min": self.bounds.prefix_min,
+                "prefix_exact": self.bounds.prefix_exact,
                 "assumptions": list(self.bounds.assumptions),
             },
             "results": [r.to_json() for r in self.results],
@@ -118,6 +122,8 @@ class SweepReport:
     # capacity -> Belady MIN hit rate at that capacity
     belady: dict[int, float]
     points: tuple[SweepPoint, ...]
+    # capacity -> prefix MIN's prefix hit rate (the prefix-aware bound's lower end)
+    prefix_min: dict[int, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -127,6 +133,7 @@ class SweepReport:
             "bounds": {
                 "infinite": self.infinite,
                 "belady": {str(c): v for c, v in self.belady.items()},
+                "prefix_min": {str(c): v for c, v in self.prefix_min.items()},
             },
             "results": [p.__dict__ for p in self.points],
         }
@@ -143,6 +150,9 @@ def sweep(
     base = config or ReplayConfig()
     refs = flatten(workload)
     belady = {c: belady_hits(refs, c) / max(1, workload.block_refs) for c in capacities}
+    prefix_min = {
+        c: prefix_min_hits(workload.block_ids, c) / max(1, workload.block_refs) for c in capacities
+    }
     points = []
     for capacity in capacities:
         for policy in policies:
@@ -168,6 +178,7 @@ def sweep(
         bounds.infinite,
         belady,
         tuple(points),
+        prefix_min,
     )
 
 
