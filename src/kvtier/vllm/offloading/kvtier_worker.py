@@ -50,6 +50,7 @@ from kvtier.transfer.cascade_handler import CascadeHandler
 from kvtier.transfer.device import DeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
+from kvtier.vllm.offloading.engine_shape import HeadSharing
 from kvtier.vllm.offloading.job_specs import (
     LOCAL,
     REMOTE,
@@ -66,14 +67,18 @@ FLUSH_BATCH = 64  # blocks per disk write of the flush at shutdown
 class CanonicalDeviceKV(DeviceKV):
     """vLLM's canonical caches as kvtier's per-block segments (a K and a V half per page)."""
 
-    def __init__(self, layout: KVLayout, kv_caches: CanonicalKVCaches) -> None:
+    def __init__(self, layout: KVLayout, kv_caches: CanonicalKVCaches, heads: int = 1) -> None:
+        """`heads` > 1: each page cut into that many equal parts first (a head-major page's
+        KV heads, see `engine_shape.head_sharing`), and a block's segments ordered head by
+        head: a host row is then the block's heads one after the other."""
         tensors = [t.tensor for t in kv_caches.tensors]
-        if len(tensors) != layout.num_layers:
+        if len(tensors) * heads != layout.num_layers:
             raise ValueError(
-                f"vLLM registered {len(tensors)} KV cache tensors, the layout expects "
-                f"{layout.num_layers} (one per attention layer of its largest KV-cache group)"
+                f"vLLM registered {len(tensors)} KV cache tensors of {heads} head(s), the "
+                f"layout expects {layout.num_layers} (one per attention layer of its largest "
+                f"KV-cache group and head)"
             )
-        page = 2 * layout.segment_bytes
+        page = 2 * heads * layout.segment_bytes
         num_blocks = int(tensors[0].shape[0])
         for t in tensors:
             if tuple(t.shape) != (num_blocks, page) or t.stride() != (page, 1):
@@ -85,8 +90,9 @@ class CanonicalDeviceKV(DeviceKV):
         self.caches = tensors
         self.device = tensors[0].device
         self.num_blocks = num_blocks
-        halves = [t.view(torch.uint8).view(num_blocks, 2, layout.segment_bytes) for t in tensors]
-        self.segments = [half[:, i] for half in halves for i in (0, 1)]
+        seg = layout.segment_bytes
+        parts = [t.view(torch.uint8).view(num_blocks, 2 * heads, seg) for t in tensors]
+        self.segments = [p[:, 2 * j + i] for j in range(heads) for p in parts for i in (0, 1)]
         self.is_cuda = self.device.type == "cuda"
         self.arrays: list[npt.NDArray[np.uint8]] = (
             [] if self.is_cuda else [seg.numpy() for seg in self.segments]
@@ -149,11 +155,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         num_disk_blocks: int = 0,
         disk_root: str | Path | None = None,
         remote: Any = None,
+        remote_sharing: HeadSharing | None = None,
         report_failures: bool = True,
     ) -> None:
         """`disk_root`: this worker's disk root (default `config.disk_path`; one per rank
         under tensor parallelism, see `engine_shape.shard_root`);
-        `remote`: a `RemoteTier` opened for `layout` (closed by `shutdown`);
+        `remote`: a `RemoteTier` opened for `layout` (closed by `shutdown`), or, with
+        `remote_sharing`, for the blocks kept by KV head (this worker moves its heads);
         `report_failures`: failures go to the report (KvtierConnector) rather than into
         the results, which vLLM's own connector asserts are all successful."""
         self.kv = CanonicalDeviceKV(layout, kv_caches)
@@ -162,6 +170,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.disk: DiskStore | None = None
         self._handler: CascadeHandler | None = None
         self.remote_tier = remote
+        self._remote_writes = True  # False: another worker writes the same heads to Redis
         self.workers: dict[str, TransferWorker] = {}
         # on the CPU platform: `cpu_copy_threads` copying threads (see HostSlotHandler)
         threads = self.kv.torch_threads
@@ -185,10 +194,17 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 self.workers[LOCAL] = TransferWorker.for_store(
                     self.kv, self.memory, torch_threads=threads, copy_threads=copiers
                 )
-            if remote is not None:
+            if remote is not None and remote_sharing is None:
                 self.workers[REMOTE] = TransferWorker.for_store(
                     self.kv, remote.kv_store(layout), torch_threads=threads
                 )
+            elif remote is not None and remote_sharing is not None:
+                shard, row = remote_sharing.shard, remote_sharing.row
+                by_head = CanonicalDeviceKV(row, kv_caches, heads=shard.count)
+                self.workers[REMOTE] = TransferWorker.for_store(
+                    by_head, remote.head_store(row, shard), torch_threads=threads
+                )
+                self._remote_writes = shard.writes
         except BaseException:
             self.shutdown()
             raise
@@ -225,7 +241,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
         job = _Job(is_load, device_ids, getattr(spec, "promotion", None))
-        subs = [(next(self._sub_ids), part) for part in spec.parts]
+        parts = spec.parts
+        if not is_load and not self._remote_writes:  # nothing of its own to write there
+            parts = [part for part in parts if part.tier != REMOTE]
+        subs = [(next(self._sub_ids), part) for part in parts]
         with self._lock:
             self._jobs[job_id] = job
             for sub, part in subs:
