@@ -112,6 +112,8 @@ def test_heads_every_worker_holds_are_written_once_and_read_by_all(
     keys = keys_of(2)
     assert not writer.store(keys, [0, 1])
     assert redis.client().dbsize() == 2  # one copy
+    stored = [worker.remote_tier.stats.stored_blocks for worker in writer.workers]
+    assert stored == [2, 0]  # written once: the second worker sends nothing
     for readers in (1, 2):
         reader = engine(engines, redis.url, readers, kv_heads=1)
         assert found(reader, keys) == [True, True]

@@ -111,8 +111,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
             discards.extend(partial)  # a shard some rank lacks is never loaded: deleted
             backing = DiskBacking(whole, discards.extend)
         sharing = self.sharing
-        by_rank = sharing is None and self.config.parallel.world_size > 1
-        sharded = stack.redis_url is not None and by_rank
+        sharded = (
+            stack.redis_url is not None and sharing is None and self.config.parallel.world_size > 1
+        )
         tiers = build_tiers(
             replace(stack, redis_url=None) if sharded else stack,
             disk=backing,
