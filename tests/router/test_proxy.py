@@ -298,9 +298,10 @@ def test_metrics_and_health(tmp_path: Path) -> None:
             await s.post()
             async with s.session.get(s.base + "/metrics") as r:
                 text = await r.text()
-            assert "kvtier_router_requests_total 1" in text
-            assert 'kvtier_router_engine_up{engine="e0"} 1' in text
-            assert 'kvtier_router_events_malformed_total{engine="e1"} 0' in text
+            assert r.headers["Content-Type"].startswith("text/plain; version=")
+            assert "kvtier_router_requests_total 1.0" in text
+            assert 'kvtier_router_engine_up{engine="e0"} 1.0' in text
+            assert 'kvtier_router_events_malformed_total{engine="e1"} 0.0' in text
             async with s.session.get(s.base + "/health") as r:
                 assert r.status == 200 and (await r.json())["engines"] == {"e0": True, "e1": True}
             async with s.session.get(s.base + "/v1/models") as r:

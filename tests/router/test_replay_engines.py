@@ -63,6 +63,20 @@ def test_a_hot_prefix_spreads_when_its_engine_is_busy() -> None:
     assert [e.requests for e in together.engines] == [10, 10, 10, 10]
 
 
+@pytest.mark.parametrize("gpu_blocks", [0, 100])
+def test_an_engine_of_two_workers_has_twice_their_tiers(chats: Workload, gpu_blocks: int) -> None:
+    """Each worker brings its pool and its per-worker budgets (holding half of each block)."""
+    config = ReplayConfig(cpu_blocks=150, gpu_blocks=gpu_blocks)
+    two = replay_engines(chats, config, 1, sizes=[2])
+    alone = replay(chats, ReplayConfig(cpu_blocks=300, gpu_blocks=2 * gpu_blocks), general=True)
+    assert two.prefix_hit_blocks == alone.prefix_hit_blocks
+    assert two.engines[0].workers == 2
+    assert two.bounds.capacity == 2 * (150 + gpu_blocks)
+    mixed = replay_engines(chats, ReplayConfig(cpu_frac=0.05), 3, sizes=[1, 2, 4])
+    assert [e.workers for e in mixed.engines] == [1, 2, 4]
+    assert mixed.bounds.capacity == 7 * ReplayConfig(cpu_frac=0.05).cpu_capacity(chats)
+
+
 def test_what_a_multi_engine_replay_refuses(chats: Workload) -> None:
     with pytest.raises(ValueError, match="engines must be >= 1"):
         replay_engines(chats, ReplayConfig(cpu_blocks=10), 0)
@@ -70,6 +84,10 @@ def test_what_a_multi_engine_replay_refuses(chats: Workload) -> None:
         replay_engines(chats, ReplayConfig(cpu_blocks=10, time_model=TimeModel()), 2)
     with pytest.raises(ValueError, match="unknown routing policy"):
         replay_engines(chats, ReplayConfig(cpu_blocks=10), 2, "random")
+    with pytest.raises(ValueError, match=r"sizes must be 2 worker counts >= 1, got \[1, 0\]"):
+        replay_engines(chats, ReplayConfig(cpu_blocks=10), 2, sizes=[1, 0])
+    with pytest.raises(ValueError, match="sizes must be 2 worker counts"):
+        replay_engines(chats, ReplayConfig(cpu_blocks=10), 2, sizes=[1])
 
 
 def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -87,6 +105,17 @@ def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "2 engines, router kv" in table and "Belady" in table
     assert main([*argv, "--router", "kv"]) == 2
     assert "--router applies only with several engines" in capsys.readouterr().err
+    assert main([*argv, "--engines", "2", "--engine-sizes", "1,2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["engine_sizes"] == [1, 2]
+    assert [e["workers"] for e in doc["results"][0]["engines"]] == [1, 2]
+    assert main([*argv, "--engines", "3", "--engine-sizes", "1,2"]) == 2
+    assert "--engine-sizes gives 2 engine(s) (1,2) but --engines is 3" in capsys.readouterr().err
+    assert main([*argv, "--engine-sizes", "2"]) == 2
+    assert "--engine-sizes applies only with several engines" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--engines", "2", "--engine-sizes", "1,0"])
+    assert "worker counts >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.redis
@@ -99,6 +128,9 @@ def test_a_shared_redis_serves_every_engine(chats: Workload, tmp_path: Path) -> 
         rr = replay_engines(chats.limited(200), config, 2, "round-robin")
         assert sum(e.tier_hits["remote"] for e in rr.engines) > 0
         assert all(e.tier_hits["remote"] > 0 for e in rr.engines)  # both read the other's
+        # an engine of one worker and one of two: each still reads the other's blocks
+        sizes = replay_engines(chats.limited(200), config, 2, "round-robin", sizes=[1, 2])
+        assert all(e.tier_hits["remote"] > 0 for e in sizes.engines)
         assert "the Redis tier is counted as unbounded" in " ".join(rr.bounds.assumptions)
     finally:
         server.kill()

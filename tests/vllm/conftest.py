@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -114,3 +114,13 @@ def tiny_model(engine_runs: EngineRuns) -> Path:
 def baseline_run(engine_runs: EngineRuns, tiny_model: Path) -> EngineRun:
     """vLLM's own engine (no connector) on the overflow workload, with KV events."""
     return engine_runs.run("baseline", overflow_job(tiny_model, TINY.vocab), events=True)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Any]]:
+    """In-process engines (`tests.vllm.parallel_engine.ParallelEngine`) a test makes,
+    closed after it."""
+    made: list[Any] = []
+    yield made
+    for engine in made:
+        engine.close()

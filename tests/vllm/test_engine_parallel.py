@@ -11,9 +11,19 @@ Each shape plays one scenario, run once per session (engine starts are the cost)
 2. engine B, after A exited, on A's disk with a CPU tier of two blocks: the prompt
    comes back from disk; then (tensor parallel) one worker's block files only are
    corrupted, and the prompt returning again is recomputed, with the same output.
-3. engine C, no disk, on A's Redis server: the prompt comes back from Redis.
-4. (tensor parallel) engine D, one worker, on A's disk root and Redis server: it reads
-   none of the two-worker engine's blocks.
+3. (tensor parallel) engine D, one worker, on A's disk root and Redis server: it
+   computes two new prompts (X, Y: stored to Redis by one worker holding every KV
+   head), then A's prompt comes back from Redis (written by A's two workers, a head
+   each); A's disk shards stay A's (the disk tier is kept by rank).
+4. engine C, no disk, on A's Redis server: A's prompt comes back from Redis; then
+   (tensor parallel) X comes back too (written by D's one worker), and after Redis's
+   values of KV head 1 are corrupted, Y (worker 1's head bad) is recomputed on both.
+
+Across layouts the output is not bit-identical (a tensor-parallel engine sums its
+workers' partial results in another order): a cross-layout hit must give the writer's
+tokens, and logprobs within 4x of how far the two layouts' own computations of one
+prompt are apart (D's Y against C's recomputed Y: about 3e-6 in float32 here; a hit
+was about 2.5e-6 from its writer's own output), or 1e-5, whichever is larger.
 """
 
 from __future__ import annotations
@@ -31,7 +41,9 @@ from kvtier.vllm.engines import (
     EngineJob,
     JobResult,
     ModelShape,
+    RequestResult,
     Round,
+    random_prompts,
     run_job,
     tensor_parallel_env,
 )
@@ -42,6 +54,7 @@ from tests.vllm.engine_workloads import (
     FILLER,
     FIRST,
     POOL_HIT,
+    PROMPT_TOKENS,
     RETURN,
     overflow_job,
     overflow_rounds,
@@ -50,6 +63,7 @@ from tests.vllm.test_engine_baseline import assert_same_output
 from tests.vllm.test_engine_kvtier import kvtier as transfer_config
 
 BLOCK = 32
+D_WRITES, CROSS_LAYOUT = "d_writes", "cross_layout"
 PROMPT_BLOCKS = CACHEABLE_TOKENS // BLOCK  # 6
 PROMPTS_STORED = 7  # first, its variant, five fillers
 
@@ -67,6 +81,7 @@ class Scenario:
     c: JobResult
     d: JobResult | None  # an engine of another parallel layout on A's disk root and Redis
     transfers: tuple[dict[str, Any], ...]  # engine A's copies ($KVTIER_TRANSFER_LOG)
+    d_transfers: tuple[dict[str, Any], ...] = ()  # engine D's
 
 
 @dataclass(frozen=True)
@@ -126,20 +141,31 @@ def _play(shape: Shape, model: Path, workdir: Path) -> Scenario:
         config_b = kvtier(cpu_bytes_to_use=small_cpu, **disk_keys)
         b = run_job(_job(shape, model, config_b, rounds=tuple(rounds_b)), workdir=workdir)
 
-        config_c = kvtier(cpu_bytes_to_use=small_cpu, redis_url=server.url)
-        from_redis = (Round((first,), name="from_redis"),)
-        c = run_job(_job(shape, model, config_c, rounds=from_redis), workdir=workdir)
-
-        d = None
+        d, d_transfers = None, workdir / "d-transfers.jsonl"
+        rounds_c = [Round((first,), name="from_redis")]
         if shape.tensor_parallel > 1:
-            one_worker = replace(shape, tensor_parallel=1)
+            x, y = random_prompts(2, PROMPT_TOKENS, shape.model.vocab, seed=1)
+            one_worker = replace(shape, tensor_parallel=1, block_bytes=2 * shape.block_bytes)
             config_d = kvtier(cpu_bytes_to_use=small_cpu, redis_url=server.url, **disk_keys)
-            cold = (Round((first,), name="cold"),)
-            d = run_job(_job(one_worker, model, config_d, rounds=cold), workdir=workdir)
+            rounds_d = (Round((x, y), name=D_WRITES), Round((first,), name=CROSS_LAYOUT))
+            env_d = {"KVTIER_TRANSFER_LOG": str(d_transfers)}
+            job_d = _job(one_worker, model, config_d, rounds=rounds_d, env=env_d)
+            d = run_job(job_d, workdir=workdir)
+            head_1 = (("corrupt_redis", f"{server.url} *0001}}"),)  # worker 1's KV head
+            rounds_c += [
+                Round((x,), name=CROSS_LAYOUT),
+                Round((y,), name="corrupted", before=head_1),
+            ]
+        config_c = kvtier(cpu_bytes_to_use=small_cpu, redis_url=server.url)
+        c = run_job(_job(shape, model, config_c, rounds=tuple(rounds_c)), workdir=workdir)
     finally:
         next(servers, None)
-    rows = tuple(json.loads(line) for line in transfers.read_text().splitlines())
-    return Scenario(a, b, c, d, rows)
+    return Scenario(a, b, c, d, _rows(transfers), _rows(d_transfers))
+
+
+def _rows(log: Path) -> tuple[dict[str, Any], ...]:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return tuple(json.loads(line) for line in lines)
 
 
 def _scenario(engine_runs: EngineRuns, name: str, shape: Shape, model: Path) -> Scenario:
@@ -212,11 +238,55 @@ def test_a_corrupt_shard_on_one_worker_is_recomputed_on_all(tp_scenario: Scenari
     assert "vLLM recomputes them" in b.log
 
 
-def test_a_one_worker_engine_never_reads_the_two_worker_blocks(tp_scenario: Scenario) -> None:
+def logprob_gap(got: RequestResult, want: RequestResult) -> float:
+    """The largest difference of a top token's logprob, for the same greedy tokens."""
+    assert got.token_ids == want.token_ids
+    gaps = [0.0]
+    for g, w in zip(got.logprobs, want.logprobs, strict=True):
+        assert g.keys() == w.keys()
+        gaps += [abs(g[token] - w[token]) for token in w]
+    return max(gaps)
+
+
+def layouts_agreement(tp: Scenario) -> float:
+    """The tolerance of a cross-layout hit (see the module docstring), from one prompt
+    each layout computes all of (Y: D at one worker, C recomputed it at two)."""
+    assert tp.d is not None
+    one_worker = tp.d.round(D_WRITES)[1]
+    two_workers = only(tp.c, "corrupted")
+    return max(1e-5, 4 * logprob_gap(one_worker, two_workers))
+
+
+def test_a_one_worker_engine_reads_the_two_worker_blocks_from_redis(tp_scenario: Scenario) -> None:
     assert tp_scenario.d is not None
-    cold = only(tp_scenario.d, "cold")
-    assert cold.num_cached_tokens == 0  # neither A's disk shards nor its Redis keys
-    assert cold.token_ids == tp_scenario.a.round(FIRST)[0].token_ids
+    cross = only(tp_scenario.d, CROSS_LAYOUT)
+    assert cross.num_cached_tokens == CACHEABLE_TOKENS  # A's Redis blocks (not its disk shards)
+    gap = logprob_gap(cross, tp_scenario.a.round(FIRST)[0])
+    assert gap <= layouts_agreement(tp_scenario), gap
+
+
+def test_a_two_worker_engine_reads_the_one_worker_blocks_from_redis(tp_scenario: Scenario) -> None:
+    assert tp_scenario.d is not None
+    x_cold = tp_scenario.d.round(D_WRITES)[0]
+    assert x_cold.num_cached_tokens == 0
+    written = [r for r in tp_scenario.d_transfers if r["tier"] == "remote" and r["ok"]]
+    stored = sum(r["bytes"] for r in written if r["direction"] == "store")
+    assert stored >= 2 * PROMPT_BLOCKS * 2 * TP.block_bytes  # X and Y, every head
+    cross = only(tp_scenario.c, CROSS_LAYOUT)
+    assert cross.num_cached_tokens == CACHEABLE_TOKENS  # written by D's one worker
+    gap = logprob_gap(cross, x_cold)
+    assert gap <= layouts_agreement(tp_scenario), gap
+
+
+def test_a_corrupt_head_on_one_worker_is_recomputed_on_all_from_redis(
+    tp_scenario: Scenario,
+) -> None:
+    corrupted = only(tp_scenario.c, "corrupted")
+    assert corrupted.num_cached_tokens < CACHEABLE_TOKENS  # its blocks' head 1 is bad
+    assert "head 1 not servable" in tp_scenario.c.log  # worker 1's load failed
+    assert "vLLM recomputes them" in tp_scenario.c.log
+    assert tp_scenario.d is not None
+    assert logprob_gap(corrupted, tp_scenario.d.round(D_WRITES)[1]) < 1e-3
 
 
 def test_sliding_window_groups_store_and_load_only_the_window(hybrid_scenario: Scenario) -> None:

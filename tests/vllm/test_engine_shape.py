@@ -1,162 +1,35 @@
 """KvtierOffloadingSpec under tensor parallelism and with several KV-cache groups, in
-process: one scheduler-side manager and one worker per rank, each rank with device
-blocks of its own bytes (its shard), driven as vLLM's connector drives them (a job is
-done when every rank finished it; the ranks' reports and load errors are summed).
+process (`tests.vllm.parallel_engine`), with blocks kept by rank: the Redis tier's
+layout when vLLM's KV cache is not head-major (see `test_head_sharing` for the other).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from tests.remote.conftest import serve_redis
-from tests.vllm.needs_vllm import quiet, require_vllm
-from tests.vllm.offloading_config import offloading_config
-
-require_vllm()
+from tests.vllm.needs_vllm import quiet
+from tests.vllm.parallel_engine import (
+    BLOCK_BYTES,
+    ParallelEngine,
+    config,
+    keys_of,
+)
 
 with quiet():
-    import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         OffloadingWorkerMetadata,
     )
-    from vllm.v1.kv_offload.base import (
-        CanonicalKVCacheRef,
-        CanonicalKVCaches,
-        CanonicalKVCacheTensor,
-        GPULoadStoreSpec,
-        LookupResult,
-        ReqContext,
-        make_offload_key,
-    )
+    from vllm.v1.kv_offload.base import LookupResult
 
     from kvtier.remote.codec import BlockCodec
     from kvtier.vllm.offloading.engine_shape import layout_for, shard_root
     from kvtier.vllm.offloading.job_specs import WorkerReport
     from kvtier.vllm.offloading.kvtier_connector import check_layer_types, worker_meta
     from kvtier.vllm.offloading.offloading_spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
-
-LAYERS, TOKENS, PAGE = 2, 32, 2048
-DEVICE_BLOCKS = 16
-BLOCK_BYTES = LAYERS * PAGE
-_engine_ids = itertools.count()
-
-
-def config(extra: dict[str, Any], *, tp: int = 1, rank: int = 0, **shape: Any) -> Any:
-    extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm"} | extra
-    return offloading_config(
-        extra, kv_bytes_per_block=BLOCK_BYTES, num_layers=LAYERS, tp=tp, rank=rank, **shape
-    )
-
-
-class ParallelEngine:
-    """One engine of `tp` workers (and `groups` KV-cache groups) sharing one manager."""
-
-    def __init__(self, extra: dict[str, Any], tp: int = 2, groups: int = 1) -> None:
-        engine_id = f"shape-test-{next(_engine_ids)}"
-        token = UNDER_KVTIER_CONNECTOR.set(True)
-        try:
-            specs = [
-                KvtierOffloadingSpec(
-                    config(extra, tp=tp, rank=r, groups=groups, engine_id=engine_id)
-                )
-                for r in range(tp)
-            ]
-            scheduler_spec = KvtierOffloadingSpec(
-                config(extra, tp=tp, groups=groups, engine_id=engine_id)
-            )
-        finally:
-            UNDER_KVTIER_CONNECTOR.reset(token)
-        self.pages = [
-            [torch.zeros(DEVICE_BLOCKS, PAGE, dtype=torch.int8) for _ in range(LAYERS)]
-            for _ in range(tp)
-        ]
-        refs = [CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]
-        self.workers = [
-            spec.get_worker(
-                CanonicalKVCaches([CanonicalKVCacheTensor(t, PAGE) for t in pages], [refs] * groups)
-            )
-            for spec, pages in zip(specs, self.pages, strict=True)
-        ]
-        self.manager = scheduler_spec.get_manager()  # after the workers opened their disks
-        self.jobs = itertools.count()
-        self.ctx = ReqContext(req_id="r")
-
-    def compute(self, device_ids: list[int], seed: int) -> list[dict[int, bytes]]:
-        """Each rank's shard of these blocks: different bytes per rank."""
-        for rank, pages in enumerate(self.pages):
-            rng = np.random.default_rng([seed, rank])
-            for page in pages:
-                for i in device_ids:
-                    page[i] = torch.from_numpy(rng.integers(-128, 128, PAGE, dtype=np.int8))
-        return [{i: self.shard(rank, i) for i in device_ids} for rank in range(len(self.pages))]
-
-    def shard(self, rank: int, device_id: int) -> bytes:
-        return b"".join(page[device_id].numpy().tobytes() for page in self.pages[rank])
-
-    def _run(self, job: int) -> tuple[set[int], WorkerReport]:
-        """Every rank's result of a job, summed as vLLM and KvtierConnector sum them."""
-        merged: Any = None
-        errors: set[int] = set()
-        for worker in self.workers:
-            worker.wait({job})
-            (result,) = [r for r in worker.get_finished() if r.job_id == job]
-            assert result.success  # under KvtierConnector failures go to the report
-            errors |= worker.take_load_errors()
-            done = OffloadingWorkerMetadata()
-            done.mark_completed(job)
-            meta = worker_meta(done, worker.take_report())
-            merged = meta if merged is None else merged.aggregate(meta)
-        assert merged.completed_jobs == {job: len(self.workers)}
-        if merged.report:
-            self.manager.apply_worker_report(merged.report)
-        report: WorkerReport = merged.report
-        return errors, report
-
-    def store(self, keys: list[bytes], device_ids: list[int]) -> WorkerReport:
-        out = self.manager.prepare_store(keys, self.ctx)
-        assert out is not None
-        ids = [device_ids[keys.index(k)] for k in out.keys_to_store]
-        job = next(self.jobs)
-        for worker in self.workers:
-            worker.submit_store(job, GPULoadStoreSpec(ids, [len(ids)], [0]), out.store_spec)
-        _, report = self._run(job)
-        self.manager.complete_store(out.keys_to_store, self.ctx)
-        return report
-
-    def hits(self, keys: list[bytes]) -> list[bool]:
-        return [self.manager.lookup(k, self.ctx) is LookupResult.HIT for k in keys]
-
-    def load(self, keys: list[bytes], device_ids: list[int]) -> tuple[set[int], WorkerReport]:
-        spec = self.manager.prepare_load(keys, self.ctx)
-        job = next(self.jobs)
-        for worker in self.workers:
-            worker.submit_load(job, spec, GPULoadStoreSpec(device_ids, [len(device_ids)], [0]))
-        errors, report = self._run(job)
-        self.manager.complete_load(set(keys), self.ctx)
-        return errors, report
-
-    def close(self) -> None:
-        self.manager.shutdown()
-        for worker in self.workers:
-            worker.shutdown()
-
-
-def keys_of(n: int, group: int = 0) -> list[bytes]:
-    return [make_offload_key(i.to_bytes(32, "big"), group) for i in range(n)]
-
-
-@pytest.fixture
-def engines() -> Iterator[list[ParallelEngine]]:
-    made: list[ParallelEngine] = []
-    yield made
-    for engine in made:
-        engine.close()
 
 
 def test_each_worker_moves_its_own_shard(engines: list[ParallelEngine], tmp_path: Path) -> None:

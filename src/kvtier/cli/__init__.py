@@ -23,6 +23,7 @@ from kvtier.cli.checks import (
     reclaim_replay_dirs,
     stop_on_sigterm,
     unwritable_output,
+    worker_counts,
 )
 from kvtier.cli.route import add_route_parser, run_route
 from kvtier.router.scoring import POLICIES
@@ -160,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_at_least(1),
         default=1,
         help="replay N engines, each with these tiers, behind the router (see --router)",
+    )
+    rp.add_argument(
+        "--engine-sizes",
+        type=worker_counts,
+        metavar="W,W,...",
+        help="with --engines N: each engine's tensor-parallel workers (N counts, default 1 "
+        "each); an engine of W workers has W times the --gpu/--cpu/--disk blocks, and every "
+        "engine reads the shared Redis tier's blocks",
     )
     rp.add_argument(
         "--router",

@@ -68,6 +68,19 @@ def mix(text: str) -> tuple[float, float, float]:
     return values[0], values[1], values[2]
 
 
+def worker_counts(text: str) -> tuple[int, ...]:
+    """`--engine-sizes` as integers >= 1 (each engine's tensor-parallel workers)."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of worker counts >= 1 (one per engine), got {text!r}"
+        )
+    return values
+
+
 def allow_negative_lists(parser: argparse.ArgumentParser) -> None:
     parser._negative_number_matcher = NUMBER_LIST  # see NUMBER_LIST
 
@@ -90,6 +103,14 @@ def inapplicable_flags(args: argparse.Namespace) -> str | None:
         return "--store-on applies only with an accelerator tier (--gpu-blocks N > 0)"
     if "--router" in given and args.engines == 1:
         return "--router applies only with several engines (--engines N > 1)"
+    sizes = getattr(args, "engine_sizes", None)
+    if sizes is not None and args.engines == 1:
+        return "--engine-sizes applies only with several engines (--engines N > 1)"
+    if sizes is not None and len(sizes) != args.engines:
+        return (
+            f"--engine-sizes gives {len(sizes)} engine(s) ({','.join(map(str, sizes))}) "
+            f"but --engines is {args.engines}: give one worker count per engine"
+        )
     vllm_config = getattr(args, "vllm_config", None) is not None
     if vllm_config and args.engines > 1:
         return "--engines N replays kvtier's own flags; --vllm-config replays one engine"

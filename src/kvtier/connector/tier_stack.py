@@ -135,6 +135,7 @@ def build_tiers(
     remote_key: str | bytes | HasFingerprint | None = None,
     remote_payload_bytes: int | None = None,
     async_lookup: bool = False,
+    remote_heads: int | None = None,
 ) -> Tiers:
     """The stack `config` describes.
 
@@ -142,7 +143,9 @@ def build_tiers(
     deletes, for bookkeeping-only replays). `remote_key`: what namespaces the blocks in
     Redis (a layout, or its fingerprint); `remote_payload_bytes`: placeholder bytes per
     block when no data plane writes real ones; `async_lookup`: Redis lookups answer
-    "ask again" while their round trip is in flight (an engine's scheduler never waits).
+    "ask again" while their round trip is in flight (an engine's scheduler never waits);
+    `remote_heads`: Redis keeps each block as that many values, one per KV head
+    (`kvtier.remote.head_keys`: engines of every tensor-parallel size share them).
     """
     events, bs, policy = config.enable_events, config.block_size, config.policy
     cpu: OffloadingManager = CPUOffloadingManager(
@@ -175,7 +178,11 @@ def build_tiers(
             raise ValueError("a Redis tier needs remote_key: the layout that names its blocks")
         try:
             tiers.remote = RemoteTier.from_url(
-                config.redis_url, remote_key, block_size=bs, **config.redis_options
+                config.redis_url,
+                remote_key,
+                block_size=bs,
+                heads=remote_heads,
+                **config.redis_options,
             )
         except BaseException:
             tiers.close()

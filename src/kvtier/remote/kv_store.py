@@ -24,7 +24,8 @@ class RemoteStoreError(RuntimeError):
     """A write to the remote tier failed (server down, timeout, breaker open)."""
 
 
-def _spec(spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> RemoteLoadStoreSpec:
+def remote_spec(spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> RemoteLoadStoreSpec:
+    """`spec` as the remote tier's, naming one block per row of `blocks` (else an error)."""
     if not isinstance(spec, RemoteLoadStoreSpec):
         raise TypeError(f"the remote store takes a RemoteLoadStoreSpec, got {spec!r}")
     if len(spec.block_hashes) != len(blocks):
@@ -51,13 +52,13 @@ class RedisKVStore:
         return self._layout
 
     def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
-        remote = _spec(spec, blocks)
+        remote = remote_spec(spec, blocks)
         rows = [_bytes_view(b) for b in blocks]
         if not self.store.store(remote.block_hashes, rows, remote.salt):
             raise RemoteStoreError(f"remote store of {len(rows)} blocks failed")
 
     def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
-        remote = _spec(spec, blocks)
+        remote = remote_spec(spec, blocks)
         payloads = self.store.load(remote.block_hashes, remote.salt)
         for block_hash, payload, block in zip(remote.block_hashes, payloads, blocks, strict=True):
             row = _bytes_view(block)

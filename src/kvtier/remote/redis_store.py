@@ -22,7 +22,7 @@ import ssl
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import redis
 import xxhash
@@ -80,7 +80,7 @@ class RedisBlockStore:
         config: RemoteConfig,
         fingerprint: str | bytes,
         clock: Callable[[], float] = time.monotonic,
-    ) -> RedisBlockStore:
+    ) -> Self:
         """Build a store and check the server once: a wrong password fails here, loudly.
 
         An unreachable server is not an error at start-up (engines must start

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from kvtier.remote.head_keys import HeadKeyedStore, HeadShard, HeadShardKVStore
 from kvtier.remote.kv_store import RedisKVStore
 from kvtier.remote.redis_store import RedisBlockStore
 from kvtier.remote.remote_config import RemoteConfig
@@ -56,10 +57,13 @@ class RemoteTier:
         *,
         block_size: int,
         clock: Callable[[], float] = time.monotonic,
+        heads: int | None = None,
         **options: Any,
     ) -> RemoteTier:
         """Connect (a wrong password raises `RemoteStartupError` here; a down server does not).
 
+        `heads`: keep each block as that many values, one per KV head (`head_keys`), so
+        engines of every tensor-parallel size share them; None: one value per block.
         `options` are `RemoteConfig` fields (password, socket_timeout_s, ttl_s,
         cluster_nodes, breaker, ...); an unknown one is a ValueError naming the known.
         """
@@ -68,8 +72,10 @@ class RemoteTier:
         if unknown:
             raise ValueError(f"unknown remote tier options {unknown}; known: {sorted(known)}")
         config = RemoteConfig(url=url, **options)
-        store = RedisBlockStore.connect(config, fingerprint_of(layout_fingerprint), clock)
-        return cls(store, block_size)
+        fingerprint = fingerprint_of(layout_fingerprint)
+        if heads is None:
+            return cls(RedisBlockStore.connect(config, fingerprint, clock), block_size)
+        return cls(HeadKeyedStore.connect_heads(config, fingerprint, heads, clock), block_size)
 
     def manager(
         self,
@@ -94,6 +100,12 @@ class RemoteTier:
     def kv_store(self, layout: KVLayout) -> RedisKVStore:
         """This tier as a `BlockStore` for `TransferWorker.for_store(kv, ...)`."""
         return RedisKVStore(self.store, layout)
+
+    def head_store(self, layout: KVLayout, shard: HeadShard) -> HeadShardKVStore:
+        """One worker's heads of this tier (opened with `heads`) as a `BlockStore`."""
+        if not isinstance(self.store, HeadKeyedStore):
+            raise TypeError("head_store needs a tier opened with heads=")
+        return HeadShardKVStore(self.store, layout, shard)
 
     @property
     def stats(self) -> RemoteStats:

@@ -18,8 +18,8 @@ with router_thread(Router(config)) as port:
 
 `kvtier route` runs the same from the command line; `kvtier replay --engines N`
 drives N replay stacks behind the same routing code (`kvtier.router.scoring`).
-The HTTP side needs the `router` extra (aiohttp, pyzmq, msgspec); the index and
-the scoring need nothing beyond kvtier.
+The HTTP side needs the `router` extra (aiohttp, pyzmq, msgspec, prometheus-client);
+the index and the scoring need nothing beyond kvtier.
 """
 
 from kvtier.router.config import EngineSpec, RouterConfig

@@ -23,18 +23,19 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import zmq.asyncio
 from aiohttp import web
 
-from kvtier.router.config import ENGINE_HEADER, EngineSpec, RouterConfig
+from kvtier.router.config import ENGINE_HEADER, RouterConfig
 from kvtier.router.index import BlockIndex
-from kvtier.router.metrics import metrics_text
+from kvtier.router.metrics import CONTENT_TYPE, metrics_text
 from kvtier.router.prompts import PromptError, PromptHasher
 from kvtier.router.scoring import Chooser, Decision
+from kvtier.router.state import EngineState, RouterCounters
 from kvtier.router.subscriber import EventSubscriber
 from kvtier.types import BlockHash
 
@@ -44,21 +45,6 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _ENGINE_DOWN_STATUSES = frozenset({502, 503, 504})
 _HOP_HEADERS = ("Authorization", "X-Request-Id")
 _KEEPALIVE_S = 3.0
-
-
-@dataclass
-class EngineState:
-    spec: EngineSpec
-    up: bool = True
-    in_flight: int = 0
-    requests: int = 0  # answered through the router
-    failures: int = 0  # requests it failed (then sent elsewhere)
-    taken_out: int = 0
-    subscriber: EventSubscriber | None = None
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
 
 
 @dataclass(frozen=True)
@@ -71,15 +57,6 @@ class RouteRecord:
     cached_blocks: int
     prompt_blocks: int
     tokens: tuple[int, ...] = ()
-
-
-@dataclass
-class RouterCounters:
-    requests: int = 0
-    retries: int = 0
-    unanswered: int = 0  # no engine could answer
-    prompt_errors: int = 0  # routed cold: the prompt could not be tokenized
-    by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class Router:
@@ -338,7 +315,8 @@ class Router:
         return web.json_response({"engines": up}, status=200 if any(up.values()) else 503)
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(text=metrics_text(self), content_type="text/plain")
+        body = metrics_text(self.counters, self.engines, self.index)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -14,6 +14,13 @@ so that a hot prefix spreads over engines as it would under real traffic.
 
 Figures are per engine and in total; the bounds are those of one cache holding all
 the engines' capacity together, which N separate caches cannot beat.
+
+Engines of different sizes (`sizes`: each engine's tensor-parallel workers) serve one
+model side by side: an engine of W workers has W times the pool, the CPU and the disk
+blocks of `config` (each worker brings its accelerator's memory and its own per-worker
+budgets, and holds 1/W of each block), while the shared Redis tier's blocks are every
+engine's, whatever its size (kept by KV head, `kvtier.remote.head_keys`). The time model
+is the same for every size.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class EngineFigures:
     hit_tokens: int
     prefill_tokens_saved: int
     tier_hits: dict[str, int]  # blocks served by each tier
+    workers: int = 1  # its tensor-parallel size
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -60,6 +68,7 @@ class EngineFigures:
     def to_json(self) -> dict[str, Any]:
         return {
             "engine": self.name,
+            "workers": self.workers,
             "requests": self.requests,
             "block_refs": self.block_refs,
             "prefix_hit_blocks": self.prefix_hit_blocks,
@@ -125,6 +134,7 @@ class _Engine:
     ledger: Ledger
     step: Step
     in_pool: Callable[[BlockHash], bool]
+    workers: int = 1
     requests: int = 0
     block_refs: int = 0
     running: list[float] = field(default_factory=list)  # a heap of end times (ms)
@@ -142,11 +152,16 @@ def replay_engines(
     router: str = "kv",
     weights: Weights | None = None,
     time_model: TimeModel | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> EnginesResult:
     """Replay `workload` over `engines` stacks built from `config`, routed by `router`;
-    `time_model` (default `TimeModel()`) estimates the requests in flight."""
+    `time_model` (default `TimeModel()`) estimates the requests in flight; `sizes`: each
+    engine's tensor-parallel workers (default one each), scaling its capacities."""
     if engines < 1:
         raise ValueError(f"engines must be >= 1, got {engines}")
+    sizes = [1] * engines if sizes is None else list(sizes)
+    if len(sizes) != engines or any(isinstance(w, bool) or w < 1 for w in sizes):
+        raise ValueError(f"sizes must be {engines} worker counts >= 1, got {sizes}")
     if config.data or config.time_model is not None:
         raise ValueError(
             "a replay over several engines serves requests one at a time without bytes: "
@@ -158,7 +173,10 @@ def replay_engines(
     if config.redis_url is not None and config.redis_namespace is None:
         shared = replace(config, redis_namespace=f"replay-{uuid.uuid4().hex}")
     with contextlib.ExitStack() as closing:
-        fleet = [_engine(f"e{i}", workload, shared, closing) for i in range(engines)]
+        fleet = [
+            _engine(f"e{i}", workload, scaled(shared, workload, workers), workers, closing)
+            for i, workers in enumerate(sizes)
+        ]
         names = [e.name for e in fleet]
         by_name = {e.name: e for e in fleet}
         assignment: list[str] = []
@@ -188,7 +206,8 @@ def replay_engines(
             assignment.append(engine.name)
         seconds = time.perf_counter() - started
         figures = tuple(_figures(e) for e in fleet)
-    capacity = engines * (config.gpu_blocks + config.cpu_capacity(workload) + config.disk_blocks)
+    per_engine = config.gpu_blocks + config.cpu_capacity(workload) + config.disk_blocks
+    capacity = sum(sizes) * per_engine
     if config.redis_url is not None:
         capacity += workload.unique_blocks  # as one engine's bound counts Redis: unbounded
     bounds = compute_bounds(workload, capacity, config.bound_assumptions())
@@ -198,8 +217,26 @@ def replay_engines(
     )  # fmt: skip
 
 
+def scaled(config: ReplayConfig, workload: Workload, workers: int) -> ReplayConfig:
+    """The tiers of an engine of `workers` tensor-parallel workers: `config` is one
+    worker's, and each worker adds its pool and its per-worker CPU and disk budgets."""
+    if workers == 1:
+        return config
+    return replace(
+        config,
+        gpu_blocks=config.gpu_blocks * workers,
+        cpu_blocks=config.cpu_capacity(workload) * workers,
+        cpu_frac=None,
+        disk_blocks=config.disk_blocks * workers,
+    )
+
+
 def _engine(
-    name: str, workload: Workload, config: ReplayConfig, closing: contextlib.ExitStack
+    name: str,
+    workload: Workload,
+    config: ReplayConfig,
+    workers: int,
+    closing: contextlib.ExitStack,
 ) -> _Engine:
     stack = build_stack(workload, config)
     closing.callback(stack.close)
@@ -208,7 +245,7 @@ def _engine(
     in_pool: Callable[[BlockHash], bool] = (
         connector.gpu.is_cached if connector is not None else _nowhere
     )
-    return _Engine(name, stack, ledger, step, in_pool)
+    return _Engine(name, stack, ledger, step, in_pool, workers)
 
 
 def _nowhere(block_hash: BlockHash) -> bool:
@@ -248,4 +285,5 @@ def _figures(engine: _Engine) -> EngineFigures:
         ledger.hit_tokens,
         ledger.prefill_tokens_saved,
         {name: t.hit_blocks for name, t in ledger.tiers.items()},
+        engine.workers,
     )

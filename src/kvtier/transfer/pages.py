@@ -23,15 +23,23 @@ from kvtier.transfer.device import DeviceKV
 class PagedDeviceKV(DeviceKV):
     """Paged caches as kvtier's per-block segments (a K and a V half per page)."""
 
-    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor]) -> None:
-        if len(tensors) != layout.num_layers:
+    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], heads: int = 1) -> None:
+        """`heads` > 1: each page cut into that many equal parts first (a head-major page's
+        KV heads, see `kvtier.vllm.offloading.engine_shape.head_sharing`), and a block's
+        segments ordered head by head: a host row is then the block's heads one after
+        the other."""
+        if heads < 1:
+            raise ValueError(f"heads must be >= 1, got {heads}")
+        if len(tensors) * heads != layout.num_layers:
             raise ValueError(
-                f"vLLM registered {len(tensors)} KV cache tensors, the layout expects "
-                f"{layout.num_layers} (one per attention layer of its largest KV-cache group)"
+                f"vLLM registered {len(tensors)} KV cache tensors of {heads} head(s), the "
+                f"layout expects {layout.num_layers} (one per attention layer of its largest "
+                f"KV-cache group and head)"
             )
         if not layout.per_layer:
             raise ValueError("paged caches hold one page per layer: the layout must be per_layer")
-        page = 2 * layout.segment_bytes
+        seg = layout.segment_bytes
+        page = 2 * heads * seg
         num_blocks = int(tensors[0].shape[0])
         for t in tensors:
             if tuple(t.shape) != (num_blocks, page) or t.stride() != (page, 1):
@@ -45,8 +53,8 @@ class PagedDeviceKV(DeviceKV):
         self.caches = list(tensors)
         self.device = tensors[0].device
         self.num_blocks = num_blocks
-        halves = [t.view(torch.uint8).view(num_blocks, 2, layout.segment_bytes) for t in tensors]
-        self.segments = [half[:, i] for half in halves for i in (0, 1)]
+        parts = [t.view(torch.uint8).view(num_blocks, 2 * heads, seg) for t in tensors]
+        self.segments = [p[:, 2 * j + i] for j in range(heads) for p in parts for i in (0, 1)]
         self.is_cuda = self.device.type == "cuda"
         self.arrays: list[npt.NDArray[np.uint8]] = (
             [] if self.is_cuda else [seg.numpy() for seg in self.segments]

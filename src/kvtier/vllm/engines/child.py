@@ -129,8 +129,24 @@ def _inject(faults: list[list[str]]) -> None:
                     last = file.read(1)
                     file.seek(-1, os.SEEK_END)
                     file.write(bytes([last[0] ^ 0xFF]))
+        elif action == "corrupt_redis":
+            _corrupt_redis(*arg.split(" ", 1))
         else:
-            raise ValueError(f"unknown fault {action!r}; known: kill, corrupt")
+            raise ValueError(f"unknown fault {action!r}; known: kill, corrupt, corrupt_redis")
+
+
+def _corrupt_redis(url: str, pattern: str) -> None:
+    """Flip the last byte of every value whose key matches `pattern` (a KV head's values)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        for key in client.scan_iter(match=pattern, count=1000):
+            value = client.get(key)
+            if isinstance(value, bytes) and value:
+                client.setrange(key, len(value) - 1, bytes([value[-1] ^ 0xFF]))
+    finally:
+        client.close()
 
 
 def main(argv: list[str]) -> int:

@@ -23,7 +23,8 @@ class Round:
     name: str = ""
     # faults injected before the round, while the engine runs: ("kill", PID) sends
     # SIGKILL to a process (a Redis server), ("corrupt", GLOB) flips the last byte of
-    # every file matching GLOB (disk block files)
+    # every file matching GLOB (disk block files), ("corrupt_redis", "URL PATTERN") the
+    # last byte of every Redis value whose key matches PATTERN
     before: tuple[tuple[str, str], ...] = ()
     # benchmarks only: idle seconds before the round, for asynchronous stores to finish
     # so that they do not share the CPU with the round's timed requests

@@ -18,17 +18,29 @@ decided by vLLM's scheduler.
 
 Mamba (state-space) groups have a state per request rather than per block, and a
 block size of their own: refused at start (see `check_engine` and KvtierConnector).
+
+The shared Redis tier is the exception to "one rank's shard": where vLLM's KV cache is
+head-major (its `LBHNC` layout: a layer's page is its KV heads one after the other, each
+head's tokens with their K and V) and the heads divide among the workers, Redis keeps a
+block by KV head (`kvtier.remote.head_keys`), named by what the bytes are (model, dtype,
+block size, KV-cache groups, KV heads, the page layout) and not by who wrote them
+(`head_sharing`): an engine of any tensor-parallel size reads every other's blocks, each
+worker exactly its heads. Any other engine keeps its own keys by rank, as the disk tier
+always does.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm.v1.kv_offload.base import CanonicalKVCaches
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.connector.tier_config import TierConfig
+from kvtier.remote.head_keys import HeadShard
 from kvtier.store.diskdir import list_blocks
 from kvtier.store.layout import KVLayout
 from kvtier.types import BlockHash
@@ -77,6 +89,102 @@ def layout_for(config: OffloadingConfig, rank: int | None = None) -> KVLayout:
         dtype="uint8",
         model_id="vllm:" + json.dumps(identity(config, rank), sort_keys=True),
     )
+
+
+# vLLM's KV cache layout (`KVCacheLayout`) whose page of a layer is [KV head][token][K, V]
+HEAD_MAJOR_LAYOUT = "LBHNC"
+
+
+@dataclass(frozen=True)
+class HeadSharing:
+    """How one worker of an engine keeps its blocks in Redis by KV head."""
+
+    shared: KVLayout  # one KV head of a block, every layer: names the keys of all engines
+    shard: HeadShard  # this worker's heads
+    row: KVLayout  # this worker's heads of a block, one after the other
+
+
+def shared_identity(config: OffloadingConfig, total_kv_heads: int) -> dict[str, Any]:
+    """What makes one KV head of a block the same bytes in two engines (JSON-safe): the
+    fields of `identity` but the parallel layout, and the model's KV heads and page layout."""
+    return {
+        "model": config.model.name,
+        "dtype": config.model.dtype,
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "kv_cache_layout": config.kv_cache_layout,
+        "kv_heads": total_kv_heads,
+        "groups": [[g.tokens_per_block, list(g.layer_names)] for g in config.groups],
+    }
+
+
+def head_sharing(
+    config: OffloadingConfig, total_kv_heads: int | None, rank: int | None = None
+) -> HeadSharing | None:
+    """Worker `rank`'s (default this config's) part of the blocks kept by KV head, or None
+    where they are kept by rank: the model's KV heads unknown (the spec built outside
+    KvtierConnector), a page that is not head-major, or heads that do not divide among
+    the workers (see `HeadShard.of_rank`)."""
+    if total_kv_heads is None or config.kv_cache_layout != HEAD_MAJOR_LAYOUT:
+        return None
+    parallel = config.parallel
+    rank = parallel.rank if rank is None else rank
+    try:
+        shard = HeadShard.of_rank(total_kv_heads, parallel.tp_size, rank % parallel.tp_size)
+    except ValueError:
+        return None
+    num_layers = max(len(group.layer_names) for group in config.groups)
+    tokens = config.groups[0].tokens_per_block
+    per_block = config.worker_kv_bytes_per_block
+    if per_block % (shard.count * num_layers * 2 * tokens):
+        return None  # not whole tokens of whole heads: not the layout named
+    head_size = per_block // (shard.count * num_layers * 2 * tokens)
+    model_id = "vllm-heads:" + json.dumps(shared_identity(config, total_kv_heads), sort_keys=True)
+    shared = KVLayout(num_layers, 1, head_size, tokens, dtype="uint8", model_id=model_id)
+    row = KVLayout(
+        num_layers * shard.count,
+        1,
+        head_size,
+        tokens,
+        dtype="uint8",
+        model_id=f"{model_id}#heads{shard.first}+{shard.count}",
+    )
+    return HeadSharing(shared, shard, row)
+
+
+def check_head_major(kv_caches: CanonicalKVCaches, sharing: HeadSharing, workers: int) -> None:
+    """Refuse, at start, caches whose pages are not what `head_sharing` cuts: vLLM's own
+    map of each page into the parallelism-free page (all heads) must put the page whole
+    at its heads' place. (One worker's page is that page: no map needed.)"""
+    shard = sharing.shard
+    for refs in kv_caches.group_data_refs:
+        for ref in refs:
+            mapping = ref.mapping
+            if mapping is None and workers == 1:
+                continue
+            page = ref.page_size_bytes
+            runs = (
+                None
+                if mapping is None
+                else [
+                    (r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments)
+                    for r in mapping.runs
+                ]
+            )
+            place = shard.first // shard.count * page
+            whole = shard.total // shard.count * page
+            if (
+                mapping is None
+                or runs != [(0, place, page, 1)]
+                or (mapping.canonical_page_size_bytes != whole)
+            ):
+                raise ValueError(
+                    f"kvtier keeps Redis blocks by KV head for vLLM's {HEAD_MAJOR_LAYOUT} KV "
+                    f"cache layout, but vLLM maps this worker's {page}-byte page (heads "
+                    f"{shard.first}..{shard.first + shard.count - 1} of {shard.total}) as "
+                    f"{runs} into a page of "
+                    f"{None if mapping is None else mapping.canonical_page_size_bytes} bytes, "
+                    f"not whole at byte {place} of {whole}"
+                )
 
 
 def shard_root(disk_path: str, config: OffloadingConfig, rank: int | None = None) -> Path:

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 
 from kvtier.vllm.offloading.extra_config import parse_extra_config
 from kvtier.vllm.offloading.job_specs import WorkerReport
-from kvtier.vllm.offloading.offloading_spec import UNDER_KVTIER_CONNECTOR
+from kvtier.vllm.offloading.offloading_spec import TOTAL_KV_HEADS, UNDER_KVTIER_CONNECTOR
 from kvtier.vllm.version import check_vllm_version
 
 log = logging.getLogger(__name__)
@@ -114,9 +114,11 @@ class KvtierConnector(OffloadingConnector):
         check_layer_types(kv_cache_config)
         self._idle_step = False  # the current step computes nothing (see get_finished)
         token = UNDER_KVTIER_CONNECTOR.set(True)
+        heads = TOTAL_KV_HEADS.set(vllm_config.model_config.get_total_num_kv_heads())
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
+            TOTAL_KV_HEADS.reset(heads)
             UNDER_KVTIER_CONNECTOR.reset(token)
         transfer = vllm_config.kv_transfer_config
         if self.connector_scheduler is not None and transfer.kv_load_failure_policy != "recompute":

@@ -49,6 +49,7 @@ from kvtier.transfer.cascade_handler import CascadeHandler
 from kvtier.transfer.pages import PagedDeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
+from kvtier.vllm.offloading.engine_shape import HeadSharing
 from kvtier.vllm.offloading.job_specs import (
     LOCAL,
     REMOTE,
@@ -112,11 +113,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         num_disk_blocks: int = 0,
         disk_root: str | Path | None = None,
         remote: Any = None,
+        remote_sharing: HeadSharing | None = None,
         report_failures: bool = True,
     ) -> None:
         """`disk_root`: this worker's disk root (default `config.disk_path`; one per rank
         under tensor parallelism, see `engine_shape.shard_root`);
-        `remote`: a `RemoteTier` opened for `layout` (closed by `shutdown`);
+        `remote`: a `RemoteTier` opened for `layout` (closed by `shutdown`), or, with
+        `remote_sharing`, for the blocks kept by KV head (this worker moves its heads);
         `report_failures`: failures go to the report (KvtierConnector) rather than into
         the results, which vLLM's own connector asserts are all successful."""
         self.kv = PagedDeviceKV(layout, [t.tensor for t in kv_caches.tensors])
@@ -125,6 +128,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.disk: DiskStore | None = None
         self._handler: CascadeHandler | None = None
         self.remote_tier = remote
+        self._remote_writes = True  # False: another worker writes the same heads to Redis
         self.workers: dict[str, TransferWorker] = {}
         # on the CPU platform: `cpu_copy_threads` copying threads (see HostSlotHandler)
         threads = self.kv.torch_threads
@@ -148,10 +152,19 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 self.workers[LOCAL] = TransferWorker.for_store(
                     self.kv, self.memory, torch_threads=threads, copy_threads=copiers
                 )
-            if remote is not None:
+            if remote is not None and remote_sharing is None:
                 self.workers[REMOTE] = TransferWorker.for_store(
                     self.kv, remote.kv_store(layout), torch_threads=threads
                 )
+            elif remote is not None and remote_sharing is not None:
+                shard, row = remote_sharing.shard, remote_sharing.row
+                by_head = PagedDeviceKV(
+                    row, [t.tensor for t in kv_caches.tensors], heads=shard.count
+                )
+                self.workers[REMOTE] = TransferWorker.for_store(
+                    by_head, remote.head_store(row, shard), torch_threads=threads
+                )
+                self._remote_writes = shard.writes
         except BaseException:
             self.shutdown()
             raise
@@ -188,7 +201,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
         job = _Job(is_load, device_ids, getattr(spec, "promotion", None))
-        subs = [(next(self._sub_ids), part) for part in spec.parts]
+        parts = spec.parts
+        if not is_load and not self._remote_writes:  # nothing of its own to write there
+            parts = [part for part in parts if part.tier != REMOTE]
+        subs = [(next(self._sub_ids), part) for part in parts]
         with self._lock:
             self._jobs[job_id] = job
             for sub, part in subs:

@@ -8,11 +8,11 @@
 
 The spec is built once for the scheduler and once per worker (maybe in different
 processes), so everything it decides comes from the config alone: the block layout of
-each worker's shard (and with it the fingerprint that names its disk directory and
-Redis keys, see `engine_shape`), the number of CPU slots and disk blocks, the same on
-every worker of a tensor-parallel engine. Every check that can fail runs in
-`__init__`, so a wrong key, an unsupported vLLM or an unsupported engine shape stops
-the engine at start with one message.
+each worker's shard (and with it the fingerprint that names its disk directory, and
+its Redis keys: by KV head where the engine allows, see `engine_shape`), the number of
+CPU slots and disk blocks, the same on every worker of a tensor-parallel engine. Every
+check that can fail runs in `__init__`, so a wrong key, an unsupported vLLM or an
+unsupported engine shape stops the engine at start with one message.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from kvtier.store.diskformat import (
 from kvtier.types import BlockHash
 from kvtier.vllm.offloading.engine_shape import (
     check_engine,
+    check_head_major,
+    head_sharing,
     layout_for,
     recovered_on_every_rank,
     shard_root,
@@ -51,6 +53,12 @@ from kvtier.vllm.version import check_vllm_version
 # transfers to vLLM's recompute path (vLLM's own asserts that none fail).
 UNDER_KVTIER_CONNECTOR: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "kvtier_under_kvtier_connector", default=False
+)
+# The model's KV heads (vLLM's total over all workers), set by KvtierConnector while it
+# builds its spec: the spec sees only vLLM's offloading config, which does not name them,
+# and the shared Redis tier keeps blocks by KV head (`engine_shape.head_sharing`).
+TOTAL_KV_HEADS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "kvtier_total_kv_heads", default=None
 )
 
 
@@ -69,6 +77,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
         self.report_failures = UNDER_KVTIER_CONNECTOR.get()
         check_engine(config, self.kvtier, self.report_failures)
         self.layout = layout_for(config)
+        # None: Redis keeps this engine's blocks by rank, apart from other layouts
+        self.sharing = head_sharing(config, TOTAL_KV_HEADS.get()) if self.kvtier.has_redis else None
         self.block_size = config.groups[0].tokens_per_block
         self.stack_config = StackConfig.from_tier_config(
             self.kvtier,
@@ -89,8 +99,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return self._manager
 
     def _build_manager(self) -> KvtierOffloadingManager:
-        """kvtier's one builder makes the tiers; a tensor-parallel engine's Redis tier is
-        the one exception, looked up under every worker's shard keys (`shard_lookup`)."""
+        """kvtier's one builder makes the tiers; a tensor-parallel engine whose Redis blocks
+        are kept by rank (not by KV head) is the one exception, looked up under every
+        worker's shard keys (`shard_lookup`)."""
         cfg, stack = self.kvtier, self.stack_config
         discards: list[BlockHash] = []
         backing = None
@@ -99,11 +110,15 @@ class KvtierOffloadingSpec(OffloadingSpec):
             whole, partial = recovered_on_every_rank(cfg.disk_path, self.config)
             discards.extend(partial)  # a shard some rank lacks is never loaded: deleted
             backing = DiskBacking(whole, discards.extend)
-        sharded = stack.redis_url is not None and self.config.parallel.world_size > 1
+        sharing = self.sharing
+        sharded = (
+            stack.redis_url is not None and sharing is None and self.config.parallel.world_size > 1
+        )
         tiers = build_tiers(
             replace(stack, redis_url=None) if sharded else stack,
             disk=backing,
-            remote_key=self.layout,
+            remote_key=self.layout if sharing is None else sharing.shared,
+            remote_heads=None if sharing is None else sharing.shard.total,
             async_lookup=True,
         )
         remote: KvtierManager | None = tiers.remote_manager
@@ -183,6 +198,14 @@ class KvtierOffloadingSpec(OffloadingSpec):
             return None
         from kvtier.remote.tier import RemoteTier
 
+        if self.sharing is not None:  # every worker's heads under the same keys
+            return RemoteTier.from_url(
+                cfg.redis_url,
+                self.sharing.shared,
+                block_size=self.block_size,
+                heads=self.sharing.shard.total,
+                **cfg.redis_options(),
+            )
         return RemoteTier.from_url(
             cfg.redis_url,
             self.layout if rank is None else layout_for(self.config, rank),
@@ -194,6 +217,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KvtierOffloadingWorker:
         if self._worker is None:
+            if self.sharing is not None:
+                check_head_major(kv_caches, self.sharing, self.config.parallel.world_size)
             self._worker = KvtierOffloadingWorker(
                 self.kvtier,
                 self.layout,
@@ -204,6 +229,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 num_cpu_slots=self.num_cpu_slots,
                 num_disk_blocks=self.num_disk_blocks,
                 remote=self._open_remote(),
+                remote_sharing=self.sharing,
                 report_failures=self.report_failures,
             )
         return self._worker
