@@ -10,7 +10,6 @@ import sys
 from collections import Counter
 
 import pytest
-
 from benchmarks.peer_figures import (
     LMCACHE_COUNTERS,
     VLLM_COUNTERS,
@@ -131,11 +130,15 @@ def _by_rate(**sides: list[ClientFigures]) -> dict[float, dict[str, list[ClientF
 def test_reuse_verdicts_need_the_target_by_more_than_the_spread() -> None:
     lines = verdicts(
         {
-            2.0: {"kvtier": [figures(ttft=0.5), figures(ttft=0.55)],
-                  "lmcache": [figures(ttft=1.0), figures(ttft=1.1)]},
-            math.inf: {"kvtier": [figures(rps=3.0, ttft=2), figures(rps=3.3, ttft=2)],
-                       "lmcache": [figures(rps=1.0, ttft=4), figures(rps=1.6, ttft=4)]},
-        },  # fmt: skip
+            2.0: {
+                "kvtier": [figures(ttft=0.5), figures(ttft=0.55)],
+                "lmcache": [figures(ttft=1.0), figures(ttft=1.1)],
+            },
+            math.inf: {
+                "kvtier": [figures(rps=3.0, ttft=2), figures(rps=3.3, ttft=2)],
+                "lmcache": [figures(rps=1.0, ttft=4), figures(rps=1.6, ttft=4)],
+            },
+        },
         reuse=True,
     )
     assert [(v["rate"], v["target"].split()[0]) for v in lines] == [
@@ -147,8 +150,8 @@ def test_reuse_verdicts_need_the_target_by_more_than_the_spread() -> None:
     # 3.15 / 1.3 = 2.4x, but LMCache's repeats spread by 46%: 2.4x is decisive, met
     assert saturation["ratio"] == pytest.approx(3.15 / 1.3) and saturation["met"]
     # 2.1x, but LMCache's repeats spread by 120%: a gap of 110% is no claim
-    noisy = verdicts(_by_rate(kvtier=[figures(rps=2.1)] * 2,
-                              lmcache=[figures(rps=0.4), figures(rps=1.6)]), reuse=True)  # fmt: skip
+    kvtier, lmcache = [figures(rps=2.1)] * 2, [figures(rps=0.4), figures(rps=1.6)]
+    noisy = verdicts(_by_rate(kvtier=kvtier, lmcache=lmcache), reuse=True)
     assert noisy[0]["ratio"] == pytest.approx(2.1) and noisy[0]["spread"] == pytest.approx(1.2)
     assert not noisy[0]["decisive"] and not noisy[0]["met"]
     assert not verdicts(_by_rate(kvtier=[figures(rps=1.9)], lmcache=[figures()]), True)[0]["met"]
