@@ -35,6 +35,7 @@ issue (a returning 4,096-token prompt from disk after a restart) is not measured
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -55,6 +56,7 @@ from benchmarks.peer_figures import (
     counters,
     delta,
     fairness_problems,
+    markdown_table,
     side_orders,
     verdicts,
 )
@@ -397,7 +399,11 @@ def main(argv: list[str] | None = None) -> None:
         default=REPO_ROOT / ".venv-peers",
         help="the environment `make peers` made",
     )
+    parser.add_argument("--table", type=Path, help="print a result's table, run nothing")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        print(markdown_table(json.loads(args.table.read_text())))
+        return
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")
     peers_bin = args.peers / "bin"
@@ -420,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"(spread {v['spread']}) {'met' if v['met'] else 'NOT met'}"
             )
     print(write_result("peers-quick" if args.quick else "peers", result))
+    print(markdown_table(result))
 
 
 if __name__ == "__main__":

@@ -235,3 +235,44 @@ def verdicts(
                 }
             )
     return lines
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The README's table: per row, rate and side, the median over the repeats (and the
+    spread of requests/s), and the tokens the engine took from its pool and its
+    connector (median prompt tokens served from each)."""
+    head = (
+        "| row | rate (req/s) | side | req/s (spread) | TTFT mean / p50 / p90 / p99 (s) "
+        "| prompt tokens: from the pool / from the connector / all | problems |"
+    )
+    lines = [head, "|" + "---|" * 7]
+    groups: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
+    for run in result["runs"]:
+        groups.setdefault((run["row"], run["rate"]), []).append(run)
+    for (row, rate), runs in groups.items():
+        for side in sorted(runs[0]["order"], key=_side_rank):
+            got = [r[side] for r in runs]
+
+            def med(name: str, got: list[dict[str, Any]] = got) -> float:
+                return statistics.median(g["client"][name] for g in got)
+
+            def eng(name: str, got: list[dict[str, Any]] = got) -> float:
+                return statistics.median(g["engine"].get(name, 0.0) for g in got)
+
+            rps = [g["client"]["requests_per_s"] for g in got]
+            s = spread(rps)
+            problems = sum(len(g["problems"]) for g in got)
+            lines.append(
+                f"| {row} | {'all at once' if rate is None else f'{rate:g}'} | {side} "
+                f"| {med('requests_per_s'):.2f} ({'-' if s is None else f'{s:.0%}'}) "
+                f"| {med('ttft_mean_s'):.2f} / {med('ttft_p50_s'):.2f} / "
+                f"{med('ttft_p90_s'):.2f} / {med('ttft_p99_s'):.2f} "
+                f"| {eng('pool_hits'):,.0f} / {eng('external_hits'):,.0f} / "
+                f"{eng('prompt_tokens'):,.0f} | {problems or ''} |"
+            )
+    return "\n".join(lines)
+
+
+def _side_rank(side: str) -> int:
+    order = ("vllm", "kvtier", "lmcache", "offloading")
+    return order.index(side) if side in order else len(order)

@@ -18,6 +18,7 @@ from benchmarks.peer_figures import (
     counters,
     delta,
     fairness_problems,
+    markdown_table,
     side_orders,
     spread,
     verdicts,
@@ -178,6 +179,25 @@ def test_no_reuse_verdicts_need_repeats_that_resolve_the_bound() -> None:
         reuse=False,
     )  # fmt: skip
     assert not farther[1]["met"]  # within 5%, but LMCache is closer to vLLM alone
+
+
+def test_the_table_gives_medians_over_repeats_and_counts_problems() -> None:
+    def side(rps: float, external: float, problems: list[str]) -> dict[str, object]:
+        engine = {"pool_hits": 64.0, "external_hits": external, "prompt_tokens": 1000.0}
+        client = figures(rps=rps).__dict__
+        return {"client": client, "engine": engine, "problems": problems}
+
+    runs = [
+        {"row": "random", "rate": None, "order": ["lmcache", "vllm", "kvtier"],
+         "vllm": side(1.0, 0, []), "kvtier": side(1.2, 0, []), "lmcache": side(0.8, 0, ["x"])},
+        {"row": "random", "rate": None, "order": ["vllm", "kvtier", "lmcache"],
+         "vllm": side(1.1, 0, []), "kvtier": side(1.0, 0, []), "lmcache": side(0.9, 0, [])},
+    ]  # fmt: skip
+    head, rule, vllm, kvtier, lmcache = markdown_table({"runs": runs}).splitlines()
+    assert head.startswith("| row |") and rule == "|---|---|---|---|---|---|---|"
+    assert vllm.startswith("| random | all at once | vllm | 1.05 (10%) | 1.00 / 1.00 /")
+    assert kvtier.split(" | ")[3] == "1.10 (18%)"
+    assert lmcache.endswith("| 64 / 0 / 1,000 | 1 |")
 
 
 def test_memory_peaks_of_a_child_session() -> None:
