@@ -2,8 +2,11 @@
 
     make peers   # LMCache 0.5.6 in .venv-peers, over the project's vLLM
     flock -x ../engine.lock .venv/bin/python -m benchmarks.bench_peers [--quick]
+        [--only load|restart] [--repeats N]
+    .venv/bin/python -m benchmarks.bench_peers --table benchmarks/results/peers-load.json
 
-Writes benchmarks/results/peers.json (peers-quick.json with --quick). The sides
+Writes benchmarks/results/peers.json (peers-load.json, peers-restart.json with --only;
+peers-quick.json with --quick, which has no restart row). The sides
 (`peer_sides`): vLLM alone, kvtier's CPU tier, LMCache's multiprocess server; vLLM's own
 `OffloadingConnector` too where its platform runs it (a GPU build; here the result says
 why not). Every side is the same vLLM build, model, pool, flags, CPU binding and warm-up,
@@ -19,6 +22,9 @@ Rows:
    mean, p50, p90, p99;
 2. the project's multi-turn and documents workloads (`chat_workloads`, as in
    bench_serving, smaller), through `load_client`;
+3. a returning 4,096-token prompt on the 0.5B-shaped model from each side's CPU store
+   and from its local disk after a restart, against recompute (`peer_restart`, one
+   engine at a time, one run each);
 4. peak memory of each side's processes (`peer_memory`: the engine and its engine core;
    LMCache's server too);
 5. each run's hits from each side's own counters: vLLM's pool and external prefix-cache
@@ -28,8 +34,7 @@ Rows:
 
 The whole grid is played `--repeats` times (repeats outermost, so that the machine's load
 changes between them); each figure's spread over the repeats is reported, and a
-verdict is met only by more than that spread (`peer_figures.verdicts`). Row 3 of the
-issue (a returning 4,096-token prompt from disk after a restart) is not measured here.
+verdict is met only by more than that spread (`peer_figures.verdicts`).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from benchmarks.peer_figures import (
     verdicts,
 )
 from benchmarks.peer_memory import MemoryPeaks
+from benchmarks.peer_restart import restart_row
 from benchmarks.peer_sides import (
     LMCACHE_VERSION,
     LMCacheServer,
@@ -105,18 +111,16 @@ class Setup:
     chat_rates: tuple[float, ...]
 
 
+def flags(**values: int) -> tuple[str, ...]:
+    """The client's dataset flags: `prefix_len=1024` -> `--prefix-len 1024`."""
+    return tuple(x for k, v in values.items() for x in ("--" + k.replace("_", "-"), str(v)))
+
+
 def full_setup() -> Setup:
     vocabulary = words(SERVING.vocab)
-    prefix = (
-        "--prefix-repetition-prefix-len",
-        "1024",
-        "--prefix-repetition-suffix-len",
-        "64",
-        "--prefix-repetition-num-prefixes",
-        "6",
-        "--prefix-repetition-output-len",
-        "16",
-    )
+    prefix = flags(prefix_repetition_prefix_len=1024, prefix_repetition_suffix_len=64,
+                   prefix_repetition_num_prefixes=6, prefix_repetition_output_len=16)  # fmt: skip
+    no_reuse = flags(random_input_len=1024, random_output_len=16, random_range_ratio=0)
     return Setup(
         SERVING,
         pool_blocks=128,
@@ -124,20 +128,7 @@ def full_setup() -> Setup:
         datasets=(
             # 6 prefixes of 1,024 tokens (1.5x the pool), 6 prompts each, shuffled
             ClientDataset("prefix_repetition", True, prefix, 36, (1.0, 2.0, 3.0, INF)),
-            ClientDataset(
-                "random",
-                False,
-                (
-                    "--random-input-len",
-                    "1024",
-                    "--random-output-len",
-                    "16",
-                    "--random-range-ratio",
-                    "0",
-                ),
-                36,
-                (2.0, INF),
-            ),
+            ClientDataset("random", False, no_reuse, 36, (2.0, INF)),
         ),
         chats={
             # 8 conversations x 3 turns of 512 words: 3x the pool at the end
@@ -150,37 +141,18 @@ def full_setup() -> Setup:
 
 
 def quick_setup() -> Setup:
-    vocabulary = words(TINY.vocab)  # 4 prefixes of 256 tokens: 1.3x the pool
-    prefix = (
-        "--prefix-repetition-prefix-len",
-        "256",
-        "--prefix-repetition-suffix-len",
-        "16",
-        "--prefix-repetition-num-prefixes",
-        "4",
-        "--prefix-repetition-output-len",
-        "8",
-    )
+    vocabulary = words(TINY.vocab)
+    # 4 prefixes of 256 tokens: 1.3x the pool
+    prefix = flags(prefix_repetition_prefix_len=256, prefix_repetition_suffix_len=16,
+                   prefix_repetition_num_prefixes=4, prefix_repetition_output_len=8)  # fmt: skip
+    no_reuse = flags(random_input_len=128, random_output_len=8, random_range_ratio=0)
     return Setup(
         TINY,
         pool_blocks=24,
         max_model_len=512,
         datasets=(
             ClientDataset("prefix_repetition", True, prefix, 8, (4.0, INF)),
-            ClientDataset(
-                "random",
-                False,
-                (
-                    "--random-input-len",
-                    "128",
-                    "--random-output-len",
-                    "8",
-                    "--random-range-ratio",
-                    "0",
-                ),
-                8,
-                (INF,),
-            ),
+            ClientDataset("random", False, no_reuse, 8, (INF,)),
         ),
         chats={"multi_turn": lambda seed: multi_turn(vocabulary, 4, 2, 200, 8, seed)},
         chat_rates=(INF,),
@@ -399,6 +371,11 @@ def main(argv: list[str] | None = None) -> None:
         default=REPO_ROOT / ".venv-peers",
         help="the environment `make peers` made",
     )
+    parser.add_argument(
+        "--only",
+        choices=("load", "restart"),
+        help="one part: the load rows (1, 2, 4, 5) or the restart row (3)",
+    )
     parser.add_argument("--table", type=Path, help="print a result's table, run nothing")
     args = parser.parse_args(argv)
     if args.table is not None:
@@ -417,16 +394,22 @@ def main(argv: list[str] | None = None) -> None:
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore")
-        result = bench(setup, Path(tmp), peers_bin, args.repeats)
+        result: dict[str, Any] = {}
+        if args.only != "restart":
+            result = bench(setup, Path(tmp), peers_bin, args.repeats)
+        if args.only != "load" and not args.quick:
+            result["restart"] = restart_row(Path(tmp), peers_bin)
     result |= {"shape": shape, "repeats": args.repeats, "wall_s": time.perf_counter() - started}
-    for row, lines in result["verdicts"].items():
+    for row, lines in result.get("verdicts", {}).items():
         for v in lines:
             print(
                 f"{row} rate {v['rate']}: {v['target']}: x{v['ratio']:.2f} "
                 f"(spread {v['spread']}) {'met' if v['met'] else 'NOT met'}"
             )
-    print(write_result("peers-quick" if args.quick else "peers", result))
-    print(markdown_table(result))
+    name = "peers-quick" if args.quick else "peers"
+    print(write_result(f"{name}-{args.only}" if args.only else name, result))
+    if "runs" in result:
+        print(markdown_table(result))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,13 @@ class LMCacheSettings:
 class LMCacheServer:
     """`lmcache server` in a session of its own; `with` stops it whatever happened."""
 
-    def __init__(self, peers_bin: Path, settings: LMCacheSettings, log_path: Path) -> None:
+    def __init__(
+        self,
+        peers_bin: Path,
+        settings: LMCacheSettings,
+        log_path: Path,
+        extra_args: tuple[str, ...] = (),  # e.g. an `--l2-adapter` (its local disk)
+    ) -> None:
         self.port, self.http_port, self.prometheus_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.log_path = log_path
@@ -65,7 +71,7 @@ class LMCacheServer:
             "--eviction-policy", settings.eviction_policy,
             "--chunk-size", str(settings.chunk_size),
             "--supported-transfer-mode", "engine_driven",
-            "--shm-name", f"kvtier-bench-peers-{self.port}",
+            "--shm-name", f"kvtier-bench-peers-{self.port}", *extra_args,
         ]  # fmt: skip
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
