@@ -292,12 +292,14 @@ def summarize(runs: list[dict[str, Any]], reuse: dict[str, bool]) -> dict[str, A
     return out
 
 
-def bench(setup: Setup, workdir: Path, peers_bin: Path, repeats: int) -> dict[str, Any]:
+def bench(
+    setup: Setup, workdir: Path, peers_bin: Path, repeats: int, lmcache_chunk: int, eviction: str
+) -> dict[str, Any]:
     model = write_model(workdir / "model", setup.shape, weights=False)
     write_tokenizer(model, setup.shape.vocab)
     # a capacity for every side: 32x the engine's pool, in whole MiB for LMCache
     cpu_bytes = 32 * setup.pool_blocks * setup.shape.kv_bytes(BLOCK)
-    settings = LMCacheSettings(chunk_size=BLOCK, l1_bytes=cpu_bytes)
+    settings = LMCacheSettings(lmcache_chunk, eviction, l1_bytes=cpu_bytes)
     alone = ServerConfig(
         model, BLOCK, pool_blocks=setup.pool_blocks, max_model_len=setup.max_model_len
     )
@@ -376,6 +378,18 @@ def main(argv: list[str] | None = None) -> None:
         choices=("load", "restart"),
         help="one part: the load rows (1, 2, 4, 5) or the restart row (3)",
     )
+    parser.add_argument(
+        "--lmcache-chunk-size",
+        type=int,
+        default=BLOCK,
+        help="LMCache's chunk (tokens); its docs: the engine's block size",
+    )
+    parser.add_argument(
+        "--lmcache-eviction",
+        default="LRU",
+        choices=("LRU", "ARC"),
+        help="LMCache's L1 eviction policy",
+    )
     parser.add_argument("--table", type=Path, help="print a result's table, run nothing")
     args = parser.parse_args(argv)
     if args.table is not None:
@@ -383,6 +397,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")
+    if args.lmcache_chunk_size < BLOCK or args.lmcache_chunk_size % BLOCK:
+        parser.error(f"--lmcache-chunk-size {args.lmcache_chunk_size}: a multiple of {BLOCK}")
     peers_bin = args.peers / "bin"
     if not (peers_bin / "lmcache").exists():
         parser.error(f"--peers {args.peers}: no LMCache there; run `make peers` first")
@@ -396,7 +412,8 @@ def main(argv: list[str] | None = None) -> None:
         warnings.simplefilter("ignore")
         result: dict[str, Any] = {}
         if args.only != "restart":
-            result = bench(setup, Path(tmp), peers_bin, args.repeats)
+            result = bench(setup, Path(tmp), peers_bin, args.repeats, args.lmcache_chunk_size,
+                           args.lmcache_eviction)  # fmt: skip
         if args.only != "load" and not args.quick:
             result["restart"] = restart_row(Path(tmp), peers_bin)
     result |= {"shape": shape, "repeats": args.repeats, "wall_s": time.perf_counter() - started}
@@ -406,8 +423,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row} rate {v['rate']}: {v['target']}: x{v['ratio']:.2f} "
                 f"(spread {v['spread']}) {'met' if v['met'] else 'NOT met'}"
             )
-    name = "peers-quick" if args.quick else "peers"
-    print(write_result(f"{name}-{args.only}" if args.only else name, result))
+    name = ("peers-quick" if args.quick else "peers") + (f"-{args.only}" if args.only else "")
+    if (args.lmcache_chunk_size, args.lmcache_eviction) != (BLOCK, "LRU"):  # a variant's own file
+        name += f"-lmcache-{args.lmcache_chunk_size}-{args.lmcache_eviction.lower()}"
+    print(write_result(name, result))
     if "runs" in result:
         print(markdown_table(result))
 
