@@ -76,7 +76,7 @@ from benchmarks.peer_sides import (
 )
 from kvtier.vllm.engines import TINY, ModelShape, write_model
 from kvtier.vllm.engines.chat_workloads import Workload, documents, multi_turn, unique
-from kvtier.vllm.engines.load_client import Answer, run_load, run_one_by_one
+from kvtier.vllm.engines.load_client import Answer, LoadSummary, run_load, run_one_by_one
 from kvtier.vllm.engines.openai_server import (
     OpenAIServer,
     ServerConfig,
@@ -179,22 +179,19 @@ def play_client(server: OpenAIServer, model: Path, dataset: ClientDataset, rate:
 
 
 def chat_figures(answers: list[Answer]) -> ClientFigures:
-    """load_client's answers as the serving client's figures (TTFT mean included)."""
+    """load_client's summary as the serving client's figures, with the TTFT mean."""
+    s = LoadSummary.of(answers)
     ok = [a for a in answers if a.ok]
-    ttft = sorted(a.ttft_s for a in ok)
-    span = max(a.done_s for a in answers) - min(a.sent_s for a in answers)
-    from kvtier.vllm.engines.load_client import percentile
-
     return ClientFigures(
         completed=len(ok),
-        failed=len(answers) - len(ok),
-        input_tokens=sum(a.prompt_tokens for a in ok),
+        failed=s.failed,
+        input_tokens=s.prompt_tokens,
         output_tokens=sum(a.output_tokens for a in ok),
-        requests_per_s=len(ok) / span if span > 0 else 0.0,
-        ttft_mean_s=statistics.fmean(ttft) if ttft else 0.0,
-        ttft_p50_s=percentile(ttft, 50),
-        ttft_p90_s=percentile(ttft, 90),
-        ttft_p99_s=percentile(ttft, 99),
+        requests_per_s=s.requests_per_s,
+        ttft_mean_s=statistics.fmean(a.ttft_s for a in ok) if ok else 0.0,
+        ttft_p50_s=s.ttft_p50_s,
+        ttft_p90_s=s.ttft_p90_s,
+        ttft_p99_s=s.ttft_p99_s,
     )
 
 
