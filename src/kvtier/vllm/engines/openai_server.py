@@ -55,11 +55,14 @@ class ServerConfig:
     env: Mapping[str, str] = field(default_factory=dict)  # e.g. VLLM_LOGGING_LEVEL
     # False where no side is compared with another: vLLM's own binding
     same_cpus: bool = True
+    # the interpreter that runs the server: the caller's, or a peer's environment over
+    # the same vLLM (benchmarks/bench_peers.py runs LMCache's side from .venv-peers)
+    python: str | None = None
 
     def command(self, port: int) -> list[str]:
         weights = "safetensors" if (self.model / "model.safetensors").exists() else "dummy"
         args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            self.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--served-model-name", self.served_name,
             "--host", "127.0.0.1", "--port", str(port),
             "--load-format", weights, "--dtype", "float32",
