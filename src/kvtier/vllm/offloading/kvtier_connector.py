@@ -18,11 +18,12 @@ and one thing more (the last point):
   the workers' reports are summed (vLLM completes a job once every worker has, and
   unions their load errors), so a block one worker failed on fails on all of them.
 - at start: models with other than attention layers (Mamba) are refused by name.
-- a step with nothing to compute (every request waits for its KV) waits a few
-  milliseconds for the oldest load before it returns, and a step that schedules
-  nothing while Redis lookups are out waits as long for their answers, rather than
-  letting the engine spin through empty steps on the cores the copy and the lookups
-  (and the Redis server, on a small machine) run on.
+- a step with nothing to compute (every request waits for its KV, or every request
+  has finished and its stores are in flight) waits a few milliseconds for the oldest
+  load (or store) before it returns, and a step that schedules nothing while Redis
+  lookups are out waits as long for their answers, rather than letting the engine spin
+  through empty steps on the cores the copies and the lookups (and the Redis server, on
+  a small machine) run on.
 
 Everything else, scheduling included, is vLLM's own code.
 """
@@ -91,7 +92,7 @@ def worker_meta(meta: OffloadingWorkerMetadata | None, report: WorkerReport) -> 
     )
 
 
-# How long an empty engine step waits for a load or a lookup: longer frees more of the
+# How long an empty engine step waits for a transfer or a lookup: longer frees more of the
 # copy's core, but delays a request that arrives meanwhile by as much.
 IDLE_STEP_WAIT_S = 0.005
 
@@ -142,17 +143,18 @@ class KvtierConnector(OffloadingConnector):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
         # no attention metadata: vLLM runs this step only for the connector (every
-        # request is waiting, most likely for a kvtier load)
+        # request is waiting, most likely for a kvtier load, or stores are in flight)
         self._idle_step = getattr(forward_context, "attn_metadata", None) is None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """On a step with nothing to compute, wait (up to IDLE_STEP_WAIT_S) for the oldest
-        load instead of returning at once: vLLM would run the next empty step right away,
-        and its engine loop spinning through empty steps takes the cores the copy needs
-        (on the CPU platform, the very core: vLLM binds the worker's thread to it)."""
+        load (or, with none, store) instead of returning at once: vLLM would run the next
+        empty step right away, and its engine loop spinning through empty steps takes the
+        cores the copies need (on the CPU platform, the very core: vLLM binds the worker's
+        thread to it) and, on a small machine, the Redis server's."""
         worker = self._kvtier_worker()
         if worker is not None and self._idle_step:
-            worker.wait_for_load(IDLE_STEP_WAIT_S)
+            worker.wait_for_transfer(IDLE_STEP_WAIT_S)
         finished: tuple[set[str], set[str]] = super().get_finished(finished_req_ids)
         return finished
 
