@@ -103,12 +103,12 @@ class _Direction:
                 wait = due - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
+                rate = proxy.profile.rate_bytes_per_s
+                if rate is not None:  # the chunk takes its time on the link, then arrives
+                    time.sleep(len(data) / rate)
                 proxy.wait_flowing()
                 self.dst.sendall(data)
                 proxy.count(len(data))
-                rate = proxy.profile.rate_bytes_per_s
-                if rate is not None:
-                    time.sleep(len(data) / rate)
                 with self.cond:
                     self.chunks.popleft()
                     self.buffered -= len(data)
