@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from kvtier.connector.cost_model import MODES, Mode
 from kvtier.offload.policies import available_policies, get_policy_class
 from kvtier.store.diskformat import block_file_bytes
 from kvtier.validate import whole_number
@@ -67,6 +68,9 @@ class TierConfig:
     redis_connect_timeout_s: float = 0.25
     redis_ttl_s: int | None = None
     redis_key_prefix: str = "kvt"
+    # "measured": offer a tier's hit only where loading it is predicted faster than
+    # recomputing it (kvtier.connector.cost_model); "always": every hit is loaded
+    load_decision: Mode = "measured"
 
     @property
     def has_disk(self) -> bool:
@@ -147,6 +151,11 @@ def _check(where: str, key: str, value: Any) -> Any:
         return check_disk_writes(where, value)
     if key == "eviction_policy":
         return check_policy(where, value)
+    if key == "load_decision":
+        if value not in MODES:
+            allowed = ", ".join(repr(m) for m in MODES)
+            raise ValueError(f"{where} must be one of {allowed}, got {value!r}")
+        return value
     if not isinstance(value, str) or not value:  # disk_path, redis_url, redis_key_prefix
         raise ValueError(f"{where} must be a non-empty string, got {value!r}")
     return value

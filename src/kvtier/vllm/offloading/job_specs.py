@@ -62,7 +62,9 @@ class WorkerReport:
 
     `seconds`: time of the transfer jobs since the last report, by "tier:load" or
     "tier:store" (tier: cpu, disk, redis); `remote_corrupt`: Redis values refused
-    at load (the scheduler side's metrics)."""
+    at load (the scheduler side's metrics); `loads`: (tier, blocks, seconds) of each
+    load part that succeeded, and `steps`: (tokens, seconds) of each engine step that
+    computed tokens, for the load-or-recompute estimates (`kvtier.connector.cost_model`)."""
 
     failed_stores: dict[str, list[BlockHash]] = field(default_factory=dict)
     failed_loads: list[list[BlockHash]] = field(default_factory=list)
@@ -70,6 +72,8 @@ class WorkerReport:
     lost_demotions: list[BlockHash] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     remote_corrupt: int = 0
+    loads: list[tuple[str, int, float]] = field(default_factory=list)
+    steps: list[tuple[int, float]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         """Whether anything failed."""
@@ -82,7 +86,7 @@ class WorkerReport:
         )
 
     def worth_sending(self) -> bool:
-        return bool(self) or bool(self.seconds)
+        return bool(self) or bool(self.seconds or self.loads or self.steps)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         stores = {k: list(v) for k, v in self.failed_stores.items()}
@@ -98,4 +102,6 @@ class WorkerReport:
             self.lost_demotions + other.lost_demotions,
             seconds,
             self.remote_corrupt + other.remote_corrupt,
+            self.loads + other.loads,
+            self.steps + other.steps,
         )

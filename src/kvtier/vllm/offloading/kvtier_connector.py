@@ -25,12 +25,17 @@ and one thing more (the last point):
   through empty steps on the cores the copies and the lookups (and the Redis server, on
   a small machine) run on.
 
+- each step's metadata carries the tokens it computes, and the workers time the step
+  (start of its KV loads to its results): the engine's own recompute cost, which the
+  scheduler side sets against each tier's load cost (`kvtier.connector.cost_model`).
+
 Everything else, scheduling included, is vLLM's own code.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +100,8 @@ def worker_meta(meta: OffloadingWorkerMetadata | None, report: WorkerReport) -> 
 # How long an empty engine step waits for a transfer or a lookup: longer frees more of the
 # copy's core, but delays a request that arrives meanwhile by as much.
 IDLE_STEP_WAIT_S = 0.005
+# the attribute of vLLM's connector metadata that tells the workers a step's tokens
+STEP_TOKENS = "kvtier_step_tokens"
 
 
 def wait_for_lookups(manager: Any, scheduler_output: Any) -> bool:
@@ -114,6 +121,7 @@ class KvtierConnector(OffloadingConnector):
         check_vllm_version()
         check_layer_types(kv_cache_config)
         self._idle_step = False  # the current step computes nothing (see get_finished)
+        self._step: tuple[int, float] | None = None  # (tokens, start) of the step running
         token = UNDER_KVTIER_CONNECTOR.set(True)
         try:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -145,6 +153,8 @@ class KvtierConnector(OffloadingConnector):
         # no attention metadata: vLLM runs this step only for the connector (every
         # request is waiting, most likely for a kvtier load, or stores are in flight)
         self._idle_step = getattr(forward_context, "attn_metadata", None) is None
+        tokens = getattr(self._get_connector_metadata(), STEP_TOKENS, 0)
+        self._step = (tokens, time.perf_counter()) if tokens else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """On a step with nothing to compute, wait (up to IDLE_STEP_WAIT_S) for the oldest
@@ -153,6 +163,10 @@ class KvtierConnector(OffloadingConnector):
         cores the copies need (on the CPU platform, the very core: vLLM binds the worker's
         thread to it) and, on a small machine, the Redis server's."""
         worker = self._kvtier_worker()
+        if worker is not None and self._step is not None:  # the recompute estimate
+            tokens, started = self._step
+            worker.note_step(tokens, time.perf_counter() - started)
+            self._step = None
         if worker is not None and self._idle_step:
             worker.wait_for_transfer(IDLE_STEP_WAIT_S)
         finished: tuple[set[str], set[str]] = super().get_finished(finished_req_ids)
@@ -174,7 +188,9 @@ class KvtierConnector(OffloadingConnector):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self.connector_scheduler is not None:
             wait_for_lookups(self.connector_scheduler.manager, scheduler_output)
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        setattr(meta, STEP_TOKENS, scheduler_output.total_num_scheduled_tokens)
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

@@ -34,6 +34,7 @@ sliding-window group, only those in the window at the hit point).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.connector.chain import ChainSpec, TierChain
+from kvtier.connector.cost_model import CostModel
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.offload.abstract import reset_tier
 from kvtier.offload.cascade_manager import (
@@ -111,6 +113,45 @@ class _RequestUse:
     loaded: list[BlockHash] = field(default_factory=list)
 
 
+@dataclass
+class _LookupPlan:
+    """One request's lookups, for deciding its Redis run as a whole (vLLM asks key by
+    key): the keys in the order asked (an earlier pass over the prompt, whose Redis
+    answers were not in yet, lists the keys after the one asked now), the answers taken
+    from the Redis tier in this pass (its hits are also kept in the manager's `_found`,
+    its misses are asked again in the next pass), and where this pass stands: the first
+    block it offered from Redis, and whether it left the rest to recompute."""
+
+    keys: list[BlockHash] = field(default_factory=list)
+    index: dict[BlockHash, int] = field(default_factory=dict)
+    answers: dict[BlockHash, int] = field(default_factory=dict)
+    start: int | None = None  # this pass's first block offered from Redis
+    declined: bool = False  # this pass leaves the rest to recompute
+    last: int = -1
+    passes: int = 1
+    waiting_since: float | None = None
+
+    def position(self, block_hash: BlockHash) -> int:
+        pos = self.index.get(block_hash)
+        if pos is None:
+            pos = self.index[block_hash] = len(self.keys)
+            self.keys.append(block_hash)
+        elif pos <= self.last:  # vLLM asks the prompt again from its start (a later step):
+            self.passes += 1  # decide again, on what is known now (misses asked again)
+            self.start, self.declined = None, False
+            self.answers.clear()
+        self.last = pos
+        return pos
+
+
+def _plan_of(req_context: ReqContext) -> _LookupPlan:
+    plan: _LookupPlan | None = req_context.get_state(_LookupPlan)
+    if plan is None:
+        plan = _LookupPlan()
+        req_context.set_state(plan)
+    return plan
+
+
 def _use_of(req_context: ReqContext) -> _RequestUse:
     use: _RequestUse | None = req_context.get_state(_RequestUse)
     if use is None:
@@ -152,13 +193,17 @@ class KvtierOffloadingManager(OffloadingManager):
         keep_files: Callable[[set[BlockHash]], object] | None = None,
         block_bytes: int = 0,
         file_bytes: int = 0,
+        cost: CostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`whole_keys`: the engine has several KV-cache groups (see the module's "Keys");
         `take_discards`: disk files the local tier let go of since the last job (the
         worker deletes them in order, before the job that may reuse their slots);
         `delete_files`: deletes disk files from here, for what must be gone before any
         job comes (a reset); `keep_files`: deletes every disk file but these (shutdown);
-        `block_bytes`, `file_bytes`: one block's bytes, and its disk file's (metrics)."""
+        `block_bytes`, `file_bytes`: one block's bytes, and its disk file's (metrics);
+        `cost`: the load-or-recompute model deciding Redis hits (None: every hit is
+        offered, as before it existed); `clock`: for how long a lookup has waited."""
         self.whole_keys = whole_keys
         self._hash_of: Callable[[OffloadKey], BlockHash] = (
             whole_key if whole_keys else block_hash_of
@@ -195,8 +240,10 @@ class KvtierOffloadingManager(OffloadingManager):
         else:
             tiers = {"cpu": block_status_core(local)}
         self._local_label = "disk" if "disk" in tiers else "cpu"
+        self.cost = cost
+        self.clock = clock
         self.tier_stats = TierStats(
-            tiers, block_bytes=block_bytes, file_bytes=file_bytes, remote=remote
+            tiers, block_bytes=block_bytes, file_bytes=file_bytes, remote=remote, cost=cost
         )
 
     def _tier(self, name: str) -> KvtierManager:
@@ -220,6 +267,12 @@ class KvtierOffloadingManager(OffloadingManager):
             block_hash = block_hash_of(key)  # raises, naming the group
         if self.remote is None:  # the hot path: one tier, nothing to remember
             return _HIT if self._local_hit(block_hash) else _MISS
+        if self.cost is not None:
+            plan = _plan_of(req_context)
+            pos = plan.position(block_hash)
+            if self._local_hit(block_hash):
+                return self._hit(block_hash, LOCAL)
+            return self._decided_lookup(block_hash, plan, pos)
         if self._local_hit(block_hash):
             return self._hit(block_hash, LOCAL)
         if self._found.get(block_hash) == REMOTE:
@@ -234,17 +287,95 @@ class KvtierOffloadingManager(OffloadingManager):
         self.tier_stats.add("hit_blocks", "redis", 1)
         return self._hit(block_hash, REMOTE)
 
+    def _decided_lookup(self, block_hash: BlockHash, plan: _LookupPlan, pos: int) -> LookupResult:
+        """A block the local tier lacks: offered from Redis only while loading this pass's
+        Redis run (from its first block to the last one known) is predicted faster than
+        recomputing it (`cost_model`). Where it may be, but not yet known to be, the
+        request waits for the answers (of the keys an earlier pass listed), no longer than
+        they could save. A run worth loading at its first block is worth loading whole (a
+        longer run pays the same round trip), so answers given stay right as more come."""
+        cost = self.cost
+        assert cost is not None
+        if plan.declined:
+            return self._remote_answer(block_hash, False)
+        start = pos if plan.start is None else plan.start
+        ahead, pending = self._known_run(plan, pos)
+        self.tier_stats.pull_lookup_seconds()  # the round trips so far, for the estimate
+        if ahead and cost.worth_loading("redis", pos - start + ahead):
+            plan.start = start
+            cost.decisions["redis", "load"] += 1
+            return self._remote_answer(block_hash, True)
+        if pending:
+            now = self.clock()
+            if plan.waiting_since is None:
+                plan.waiting_since = now
+            blocks = max(len(plan.keys) - pos, 1)
+            patient = plan.passes < 2 or not (
+                cost.lookup_too_slow("redis", blocks)
+                or now - plan.waiting_since > cost.wait_budget_s("redis", blocks)
+            )
+            if patient:
+                return LookupResult.RETRY
+            # waited as long as the lookup could save: the request goes on without it;
+            # the questions stay asked, and their answers serve later requests
+            ahead = blocks
+        if ahead:
+            cost.decisions["redis", "recompute"] += ahead
+            plan.declined = True
+        return self._remote_answer(block_hash, False)
+
+    def _known_run(self, plan: _LookupPlan, pos: int) -> tuple[int, bool]:
+        """How many keys from `pos` on Redis holds by the answers in, and whether the run
+        may go on past them: an answer is still out, or (a first pass over the prompt)
+        no key after them has been asked yet."""
+        assert self.remote is not None
+        run = 0
+        for h in plan.keys[pos:]:
+            if run and self._local_hit(h):
+                break  # the local tier takes over from here
+            found = plan.answers.get(h)
+            if found is None:
+                found = 1 if self._found.get(h) == REMOTE else self.remote.lookup([h])
+                if found is None:
+                    return run, True
+                plan.answers[h] = found
+                if found:  # an answer is handed out once: a hit is kept (see `_found`)
+                    self._remember(h, REMOTE)
+            if not found:
+                break
+            run += 1
+        else:  # every key listed so far is there: on a first pass, more may follow
+            return run, plan.passes < 2
+        return run, False
+
+    def _remote_answer(self, block_hash: BlockHash, offered: bool) -> LookupResult:
+        """A block's final answer within a decided run (counted as the tier's lookup)."""
+        self.tier_stats.add("lookup_blocks", "redis", 1)
+        if not offered:
+            return LookupResult.MISS
+        self.tier_stats.add("hit_blocks", "redis", 1)
+        return self._hit(block_hash, REMOTE)
+
+    def step_seconds(self, steps: list[tuple[int, float]]) -> None:
+        """Engine steps the workers timed: (tokens computed, seconds)."""
+        if self.cost is not None:
+            for tokens, seconds in steps:
+                self.cost.observe_step(tokens, seconds)
+
     def wait_lookups(self, timeout: float | None = None) -> bool:
         """Block (up to `timeout`) until the Redis tier's lookups in flight are answered."""
         wait = getattr(self.remote, "wait_lookups", None)
         return True if wait is None else bool(wait(timeout))
 
     def _hit(self, block_hash: BlockHash, tier: str) -> LookupResult:
+        self._remember(block_hash, tier)
+        return LookupResult.HIT
+
+    def _remember(self, block_hash: BlockHash, tier: str) -> None:
         self._found[block_hash] = tier
         self._found.move_to_end(block_hash)
         if len(self._found) > MAX_REMEMBERED_HITS:
             self._found.popitem(last=False)
-        return LookupResult.HIT
 
     def _where(self, block_hash: BlockHash) -> str:
         known = self._found.pop(block_hash, None)
@@ -405,6 +536,10 @@ class KvtierOffloadingManager(OffloadingManager):
         add("corrupt_blocks", "disk", len(report.corrupt_blocks))
         add("corrupt_blocks", "redis", report.remote_corrupt)
         add("store_failures", "disk", len(report.lost_demotions))
+        if self.cost is not None:
+            for tier, blocks, seconds in report.loads:
+                self.cost.observe_load(tier, blocks, seconds)
+            self.step_seconds(report.steps)
 
     def _count_load(self, name: str, part: list[BlockHash], spec: object) -> None:
         add = self.tier_stats.add

@@ -295,6 +295,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
             direction = "load" if job.is_load and part is not job.promotion else "store"
             timed = f"{_medium_of(part)}:{direction}"
             self._report.seconds[timed] = self._report.seconds.get(timed, 0.0) + seconds
+            if ok and direction == "load":
+                self._report.loads.append((_medium_of(part), len(part.block_hashes), seconds))
             loaded_remote = job.is_load and tier == REMOTE
             if not ok:  # the slots it wrote (a store, a promotion) hold nothing to flush
                 self._forget_slots(part)
@@ -376,6 +378,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
         with self._lock:
             report, self._report = self._report, WorkerReport()
         return report
+
+    def note_step(self, num_tokens: int, seconds: float) -> None:
+        """An engine step that computed `num_tokens` tokens (the recompute estimate)."""
+        with self._lock:
+            self._report.steps.append((num_tokens, seconds))
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
