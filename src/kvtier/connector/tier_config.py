@@ -71,6 +71,13 @@ class TierConfig:
     # "measured": offer a tier's hit only where loading it is predicted faster than
     # recomputing it (kvtier.connector.cost_model); "always": every hit is loaded
     load_decision: Mode = "measured"
+    # Each tier's queue of stores, in bytes: a store that would take a tier's queue past
+    # it is shed (not stored, counted, never an error), so a tier that falls behind
+    # holds no more than this of the engine's stores. The local tier's job writes the
+    # CPU tier and, with a disk, the disk (the disk's bound is then the local one's).
+    cpu_store_queue_bytes: int = 1 << 30
+    disk_store_queue_bytes: int = 512 << 20
+    redis_store_queue_bytes: int = 512 << 20
 
     @property
     def has_disk(self) -> bool:
@@ -88,6 +95,12 @@ class TierConfig:
             "ttl_s": self.redis_ttl_s,
             "key_prefix": self.redis_key_prefix,
         }
+
+    def store_queue_bytes(self, local: bool) -> int:
+        """The bound of the local tier's (CPU, or CPU and disk) or Redis's store queue."""
+        if not local:
+            return self.redis_store_queue_bytes
+        return self.disk_store_queue_bytes if self.has_disk else self.cpu_store_queue_bytes
 
     def cpu_blocks(self, bytes_per_block: int) -> int:
         blocks = self.cpu_bytes_to_use // bytes_per_block
@@ -133,7 +146,7 @@ def parse_tier_config(values: Mapping[str, Any], where: str) -> TierConfig:
 
 
 def _check(where: str, key: str, value: Any) -> Any:
-    if key in ("cpu_bytes_to_use", "disk_bytes_to_use"):
+    if key in ("cpu_bytes_to_use", "disk_bytes_to_use") or key.endswith("_store_queue_bytes"):
         return whole_number(where, value, minimum=1)
     if key == "store_threshold":
         return check_store_threshold(where, value)

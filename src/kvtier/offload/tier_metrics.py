@@ -53,6 +53,12 @@ _METRICS = (
     TierMetric("load_failures", "counter", "Blocks of loads that failed (recomputed)."),
     TierMetric("store_failures", "counter", "Blocks of stores that failed (not kept)."),
     TierMetric(
+        "shed_blocks",
+        "counter",
+        "Blocks of stores shed because the tier's store queue was full (the tier fell "
+        "behind): not kept, not an error.",
+    ),
+    TierMetric(
         "corrupt_blocks",
         "counter",
         "Blocks that failed their checksum at load, dropped and never served.",

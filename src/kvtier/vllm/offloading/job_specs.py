@@ -74,6 +74,8 @@ class WorkerReport:
     remote_corrupt: int = 0
     loads: list[tuple[str, int, float]] = field(default_factory=list)
     steps: list[tuple[int, float]] = field(default_factory=list)
+    # store parts shed because their tier's store queue was full, by tier (LOCAL, REMOTE)
+    shed_stores: dict[str, list[BlockHash]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         """Whether anything failed."""
@@ -83,15 +85,14 @@ class WorkerReport:
             or self.corrupt_blocks
             or self.lost_demotions
             or self.remote_corrupt
+            or self.shed_stores
         )
 
     def worth_sending(self) -> bool:
         return bool(self) or bool(self.seconds or self.loads or self.steps)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
-        stores = {k: list(v) for k, v in self.failed_stores.items()}
-        for tier, hashes in other.failed_stores.items():
-            stores.setdefault(tier, []).extend(hashes)
+        stores = _merged(self.failed_stores, other.failed_stores)
         seconds = dict(self.seconds)
         for key, value in other.seconds.items():
             seconds[key] = seconds.get(key, 0.0) + value
@@ -104,4 +105,15 @@ class WorkerReport:
             self.remote_corrupt + other.remote_corrupt,
             self.loads + other.loads,
             self.steps + other.steps,
+            _merged(self.shed_stores, other.shed_stores),
         )
+
+
+def _merged(
+    first: dict[str, list[BlockHash]], second: dict[str, list[BlockHash]]
+) -> dict[str, list[BlockHash]]:
+    """Two reports' blocks by tier, together."""
+    merged = {tier: list(hashes) for tier, hashes in first.items()}
+    for tier, hashes in second.items():
+        merged.setdefault(tier, []).extend(hashes)
+    return merged

@@ -514,6 +514,8 @@ class KvtierOffloadingManager(OffloadingManager):
             self.store_failures += 1
             self._failed_stores.update((name, h) for h in hashes)
             log.warning("kvtier: a %s store of %d blocks failed (not kept)", name, len(hashes))
+        for name, hashes in report.shed_stores.items():  # a tier behind: not kept, no error
+            self._failed_stores.update((name, h) for h in hashes)
         for hashes in report.failed_loads:
             self.load_failures += 1
             self._failed_loads.update(hashes)
@@ -536,6 +538,8 @@ class KvtierOffloadingManager(OffloadingManager):
         add("corrupt_blocks", "disk", len(report.corrupt_blocks))
         add("corrupt_blocks", "redis", report.remote_corrupt)
         add("store_failures", "disk", len(report.lost_demotions))
+        for name, hashes in report.shed_stores.items():
+            add("shed_blocks", "redis" if name == REMOTE else self._local_label, len(hashes))
         if self.cost is not None:
             for tier, blocks, seconds in report.loads:
                 self.cost.observe_load(tier, blocks, seconds)

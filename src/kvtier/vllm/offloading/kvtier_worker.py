@@ -157,6 +157,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         `report_failures`: failures go to the report (KvtierConnector) rather than into
         the results, which vLLM's own connector asserts are all successful."""
         self.kv = CanonicalDeviceKV(layout, kv_caches)
+        self._block_bytes = layout.bytes_per_block
         self.memory = MemoryStore(layout, num_cpu_slots, checksums=config.cpu_checksums)
         self.report_failures = report_failures
         self.disk: DiskStore | None = None
@@ -205,6 +206,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._slots: dict[int, BlockHash] = {}
         self._epoch = 0
         self._remote_corrupt = 0  # the remote store's corrupt_blocks already reported
+        # each tier's store queue: its bound and the bytes of its stores not done yet
+        self._store_cap = {LOCAL: config.store_queue_bytes(True)}
+        self._store_cap[REMOTE] = config.store_queue_bytes(False)
+        self._store_queued = dict.fromkeys(self._store_cap, 0)
 
     # --- submission ----------------------------------------------------------
 
@@ -225,7 +230,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
         job = _Job(is_load, device_ids, getattr(spec, "promotion", None))
-        subs = [(next(self._sub_ids), part) for part in spec.parts]
+        parts = spec.parts if is_load else self._admit_stores(spec.parts)
+        subs = [(next(self._sub_ids), part) for part in parts]
         with self._lock:
             self._jobs[job_id] = job
             for sub, part in subs:
@@ -241,6 +247,23 @@ class KvtierOffloadingWorker(OffloadingWorker):
             else:
                 worker.submit_store(sub, ids, part.spec)
         return True
+
+    def _admit_stores(self, parts: list[Part]) -> list[Part]:
+        """The store parts their tiers' queues have room for; the others are shed: not
+        stored, reported (the scheduler frees their slots and counts them), never an
+        error. A tier whose queue is empty takes any job: it is not behind."""
+        admitted = []
+        with self._lock:
+            for part in parts:
+                nbytes = len(part.positions) * self._block_bytes
+                queued = self._store_queued[part.tier]
+                if queued and queued + nbytes > self._store_cap[part.tier]:
+                    self._report.shed_stores.setdefault(part.tier, []).extend(part.block_hashes)
+                    self._forget_slots(part)
+                    continue
+                self._store_queued[part.tier] = queued + nbytes
+                admitted.append(part)
+        return admitted
 
     # --- results -------------------------------------------------------------
 
@@ -291,6 +314,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 return  # a discard job
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
+            if not job.is_load:  # its room in the tier's store queue is free again
+                queued = self._store_queued[part.tier] - len(part.positions) * self._block_bytes
+                self._store_queued[part.tier] = max(queued, 0)
             job.bytes += nbytes
             direction = "load" if job.is_load and part is not job.promotion else "store"
             timed = f"{_medium_of(part)}:{direction}"
