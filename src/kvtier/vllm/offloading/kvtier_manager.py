@@ -127,6 +127,7 @@ class _LookupPlan:
     answers: dict[BlockHash, int] = field(default_factory=dict)
     start: int | None = None  # this pass's first block offered from Redis
     declined: bool = False  # this pass leaves the rest to recompute
+    deferred: bool = False  # this pass waits for Redis answers (vLLM asks again later)
     last: int = -1
     passes: int = 1
     waiting_since: float | None = None
@@ -138,7 +139,7 @@ class _LookupPlan:
             self.keys.append(block_hash)
         elif pos <= self.last:  # vLLM asks the prompt again from its start (a later step):
             self.passes += 1  # decide again, on what is known now (misses asked again)
-            self.start, self.declined = None, False
+            self.start, self.declined, self.deferred = None, False, False
             self.answers.clear()
         self.last = pos
         return pos
@@ -293,16 +294,22 @@ class KvtierOffloadingManager(OffloadingManager):
         recomputing it (`cost_model`). Where it may be, but not yet known to be, the
         request waits for the answers (of the keys an earlier pass listed), no longer than
         they could save. A run worth loading at its first block is worth loading whole (a
-        longer run pays the same round trip), so answers given stay right as more come."""
+        longer run pays the same round trip), so answers given stay right as more come,
+        and the run is walked once per pass (at its first block), not once per block."""
         cost = self.cost
         assert cost is not None
         if plan.declined:
             return self._remote_answer(block_hash, False)
-        start = pos if plan.start is None else plan.start
+        if plan.start is not None or plan.deferred:  # decided (or waiting) at the run's start
+            found = self._answer_of(plan, block_hash)
+            if found is None or plan.deferred:
+                return LookupResult.RETRY
+            cost.decisions["redis", "load"] += bool(found)
+            return self._remote_answer(block_hash, bool(found))
         ahead, pending = self._known_run(plan, pos)
         self.tier_stats.pull_lookup_seconds()  # the round trips so far, for the estimate
-        if ahead and cost.worth_loading("redis", pos - start + ahead):
-            plan.start = start
+        if ahead and cost.worth_loading("redis", ahead):
+            plan.start = pos
             cost.decisions["redis", "load"] += 1
             return self._remote_answer(block_hash, True)
         if pending:
@@ -315,6 +322,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 or now - plan.waiting_since > cost.wait_budget_s("redis", blocks)
             )
             if patient:
+                plan.deferred = True
                 return LookupResult.RETRY
             # waited as long as the lookup could save: the request goes on without it;
             # the questions stay asked, and their answers serve later requests
@@ -328,25 +336,33 @@ class KvtierOffloadingManager(OffloadingManager):
         """How many keys from `pos` on Redis holds by the answers in, and whether the run
         may go on past them: an answer is still out, or (a first pass over the prompt)
         no key after them has been asked yet."""
-        assert self.remote is not None
         run = 0
         for h in plan.keys[pos:]:
-            if run and self._local_hit(h):
-                break  # the local tier takes over from here
-            found = plan.answers.get(h)
+            found = self._answer_of(plan, h)
             if found is None:
-                found = 1 if self._found.get(h) == REMOTE else self.remote.lookup([h])
-                if found is None:
-                    return run, True
-                plan.answers[h] = found
-                if found:  # an answer is handed out once: a hit is kept (see `_found`)
-                    self._remember(h, REMOTE)
+                return run, True
             if not found:
-                break
+                return run, False
             run += 1
-        else:  # every key listed so far is there: on a first pass, more may follow
-            return run, plan.passes < 2
-        return run, False
+        return run, plan.passes < 2  # every key listed so far is there: more may follow
+
+    def _answer_of(self, plan: _LookupPlan, block_hash: BlockHash) -> int | None:
+        """Redis's answer for one block (1 or 0), None while it is not in (asked now if
+        it was not yet). An answer is handed out once: kept for this pass, and a hit
+        beyond (see `_found`)."""
+        assert self.remote is not None
+        found = plan.answers.get(block_hash)
+        if found is None:
+            if self._found.get(block_hash) == REMOTE:
+                found = 1
+            else:
+                found = self.remote.lookup([block_hash])
+                if found is None:
+                    return None
+                if found:
+                    self._remember(block_hash, REMOTE)
+            plan.answers[block_hash] = found
+        return found
 
     def _remote_answer(self, block_hash: BlockHash, offered: bool) -> LookupResult:
         """A block's final answer within a decided run (counted as the tier's lookup)."""
