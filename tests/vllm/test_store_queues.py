@@ -90,3 +90,33 @@ def test_an_empty_queue_takes_a_store_larger_than_its_bound(engines: list[Engine
 def test_a_bad_queue_bound_names_the_key(key: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"{key}.*must be an integer >= 1"):
         KvtierOffloadingSpec(spec_config({"cpu_bytes_to_use": 1 << 20, key: value}))
+
+
+def test_under_vllms_own_connector_nothing_is_shed(engines: list[Engine], tmp_path: Path) -> None:
+    """vLLM's OffloadingConnector has no way to hear of a shed store (its blocks would
+    be made readable with nothing in their slots): the worker sheds none there."""
+    servers = serve_redis(tmp_path)
+    server = next(servers)
+    try:
+        with ShapingProxy(("127.0.0.1", server.port)) as proxy:
+            extra = {
+                "cpu_bytes_to_use": 8 * BLOCK_BYTES,
+                "redis_url": proxy.url,
+                "redis_socket_timeout_s": 60.0,
+                "redis_store_queue_bytes": 2 * BLOCK_BYTES,
+            }
+            engine = Engine(extra)
+            engines.append(engine)
+            engine.worker.report_failures = False  # as under vLLM's own connector
+            first, second = keys_of(2, start=730), keys_of(2, start=740)
+            engine.compute([0, 1, 2, 3], seed=7)
+            proxy.stall()
+            submit_store(engine, 1, first, [0, 1])
+            submit_store(engine, 2, second, [2, 3])
+            assert not engine.worker.take_report().shed_stores
+            proxy.resume()
+            engine.worker.wait({1, 2})
+            results = engine.worker.get_finished()
+            assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
+    finally:
+        next(servers, None)

@@ -230,7 +230,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
         job = _Job(is_load, device_ids, getattr(spec, "promotion", None))
-        parts = spec.parts if is_load else self._admit_stores(spec.parts)
+        # (vLLM's own connector has no way to hear of a shed store: it sheds none)
+        shed = not is_load and self.report_failures
+        parts = self._admit_stores(spec.parts) if shed else spec.parts
         subs = [(next(self._sub_ids), part) for part in parts]
         with self._lock:
             self._jobs[job_id] = job
@@ -314,7 +316,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 return  # a discard job
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
-            if not job.is_load:  # its room in the tier's store queue is free again
+            if not job.is_load and self.report_failures:  # its room in the queue is free
                 queued = self._store_queued[part.tier] - len(part.positions) * self._block_bytes
                 self._store_queued[part.tier] = max(queued, 0)
             job.bytes += nbytes
