@@ -18,7 +18,7 @@ from tests.vllm.test_offloading_spec import BLOCK_BYTES, TOKENS, Engine, engines
 
 with_engines = engines  # the fixture, under this module's name too
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext  # noqa: E402
 
 from kvtier.offload.tier_metrics import METRICS  # noqa: E402
 
@@ -175,3 +175,47 @@ def test_a_lookup_in_flight_holds_the_request_no_longer_than_it_could_save(
     assert reader.manager.wait_lookups(timeout=30)
     recompute_per_block(reader, 10.0)
     assert scan(reader, keys, ReqContext(req_id="later")) == 4
+
+
+class WorkerClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_load_from_a_stalled_redis_is_given_up_at_its_deadline(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    """Redis stops answering in the middle of a load: at the deadline (what recomputing
+    the blocks costs) the worker reports them failed, vLLM recomputes them, and the late
+    answer never reaches the engine's blocks."""
+    server, proxy = redis_proxy
+    _, reader, all_keys = writer_and_reader(engines, server, proxy, redis_socket_timeout_s=60.0)
+    keys = all_keys[:2]
+    recompute_per_block(reader, 0.1)
+    ctx = ReqContext(req_id="stalled-load")
+    assert settle(reader, keys, ctx) == 2
+    spec = reader.manager.prepare_load(keys, ctx)
+    assert spec.deadline_s == pytest.approx(0.2)  # two blocks' recompute
+    clock = WorkerClock()
+    reader.worker.clock = clock
+    proxy.stall()
+    try:
+        reader.worker.submit_load(5, spec, GPULoadStoreSpec([8, 9], [2], [0]))
+        assert reader.worker.get_finished() == []  # in flight, before its deadline
+        clock.now += 0.3
+        (result,) = reader.worker.get_finished()
+        assert (result.job_id, result.success) == (5, True)  # done: as a failed load
+        assert reader.worker.take_load_errors() == {8, 9}  # vLLM recomputes them
+        report = reader.worker.take_report()
+        assert report.expired_loads == 2 and report.failed_loads == [[k[:-4] for k in keys]]
+        reader.manager.apply_worker_report(report)
+        reader.manager.complete_load(set(keys), ctx)
+    finally:
+        proxy.resume()
+    reader.worker.workers["remote"].close()  # the late answer has come and gone
+    assert reader.block_bytes(8) == reader.block_bytes(9) == bytes(BLOCK_BYTES)
+    stats = reader.manager.get_stats().data["data"]
+    assert stats[METRICS["load_expired_blocks"].name] == {("redis",): 2}

@@ -51,6 +51,11 @@ _METRICS = (
     TierMetric("store_bytes", "counter", "Bytes of those blocks."),
     TierMetric("store_time", "counter", "Seconds of the store jobs that wrote the tier."),
     TierMetric("load_failures", "counter", "Blocks of loads that failed (recomputed)."),
+    TierMetric(
+        "load_expired_blocks",
+        "counter",
+        "Blocks of loads given up at their deadline (about a recompute's time): recomputed.",
+    ),
     TierMetric("store_failures", "counter", "Blocks of stores that failed (not kept)."),
     TierMetric(
         "shed_blocks",

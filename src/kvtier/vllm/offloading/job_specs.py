@@ -54,6 +54,9 @@ class KvtierLoadSpec(LoadStoreSpec):
     discards: list[BlockHash] = field(default_factory=list)
     promotion: Part | None = None
     epoch: int = 0
+    # seconds the Redis part may take before the worker gives it up (its blocks are
+    # recomputed): about what recomputing them costs; None: no deadline
+    deadline_s: float | None = None
 
 
 @dataclass
@@ -76,6 +79,7 @@ class WorkerReport:
     steps: list[tuple[int, float]] = field(default_factory=list)
     # store parts shed because their tier's store queue was full, by tier (LOCAL, REMOTE)
     shed_stores: dict[str, list[BlockHash]] = field(default_factory=dict)
+    expired_loads: int = 0  # blocks of Redis loads given up at their deadline
 
     def __bool__(self) -> bool:
         """Whether anything failed."""
@@ -106,6 +110,7 @@ class WorkerReport:
             self.loads + other.loads,
             self.steps + other.steps,
             _merged(self.shed_stores, other.shed_stores),
+            self.expired_loads + other.expired_loads,
         )
 
 

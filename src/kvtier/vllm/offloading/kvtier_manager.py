@@ -420,11 +420,21 @@ class KvtierOffloadingManager(OffloadingManager):
                 self._tier(name).complete_load(part)
             raise
         _use_of(req_context).loaded += hashes
+        spec.deadline_s = self._load_deadline(spec.parts)
         spec.promotion = self._plan_promotion(spec.parts)
         spec.discards = self._next_discards()  # after the promotion's own disk evictions
         promoted = spec.promotion.block_hashes if spec.promotion is not None else []
         self._loads[frozenset(hashes)].append((taken, promoted))
         return spec
+
+    def _load_deadline(self, parts: list[Part]) -> float | None:
+        """How long the Redis part may take before the worker gives it up: about what
+        recomputing its blocks costs (None before the engine was measured, or with
+        `load_decision: always`)."""
+        remote = next((p for p in parts if p.tier == REMOTE), None)
+        if remote is None or self.cost is None or self.cost.config.mode == "always":
+            return None
+        return self.cost.recompute_seconds(len(remote.block_hashes))
 
     def _plan_promotion(self, parts: list[Part]) -> Part | None:
         """Local slots for what Redis serves, taken by the chain (a refused or full local
@@ -556,6 +566,7 @@ class KvtierOffloadingManager(OffloadingManager):
         add("store_failures", "disk", len(report.lost_demotions))
         for name, hashes in report.shed_stores.items():
             add("shed_blocks", "redis" if name == REMOTE else self._local_label, len(hashes))
+        add("load_expired_blocks", "redis", report.expired_loads)
         if self.cost is not None:
             for tier, blocks, seconds in report.loads:
                 self.cost.observe_load(tier, blocks, seconds)

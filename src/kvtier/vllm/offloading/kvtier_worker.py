@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.connector.tier_config import TierConfig
 from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeStoreSpec
+from kvtier.remote.kv_store import LoadGuard
+from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
@@ -136,6 +139,7 @@ class _Job:
     ok: bool = True
     bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None  # on the worker's clock: when the Redis part is given up
 
 
 class KvtierOffloadingWorker(OffloadingWorker):
@@ -157,6 +161,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         `report_failures`: failures go to the report (KvtierConnector) rather than into
         the results, which vLLM's own connector asserts are all successful."""
         self.kv = CanonicalDeviceKV(layout, kv_caches)
+        self.clock: Callable[[], float] = time.perf_counter  # the loads' deadlines
         self._block_bytes = layout.bytes_per_block
         self.memory = MemoryStore(layout, num_cpu_slots, checksums=config.cpu_checksums)
         self.report_failures = report_failures
@@ -230,6 +235,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
         job = _Job(is_load, device_ids, getattr(spec, "promotion", None))
+        deadline_s = getattr(spec, "deadline_s", None)
+        if is_load and deadline_s is not None and self.report_failures:
+            job.deadline = self.clock() + deadline_s
+            for part in spec.parts:
+                if isinstance(part.spec, RemoteLoadStoreSpec):  # this process's copy
+                    part.spec.guard = LoadGuard()
         # (vLLM's own connector has no way to hear of a shed store: it sheds none)
         shed = not is_load and self.report_failures
         parts = self._admit_stores(spec.parts) if shed else spec.parts
@@ -270,6 +281,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
     # --- results -------------------------------------------------------------
 
     def get_finished(self) -> list[TransferResult]:
+        self._expire_loads()
         self._poll()
         if self.disk is not None:
             corrupt = self.disk.take_dropped()
@@ -285,6 +297,30 @@ class KvtierOffloadingWorker(OffloadingWorker):
         with self._lock:
             results, self._results = self._results, []
         return results
+
+    def _expire_loads(self) -> None:
+        """Give up the Redis parts of loads past their deadline: their blocks are reported
+        failed (vLLM recomputes them) and not one byte of a late answer reaches them."""
+        now = self.clock()
+        with self._lock:
+            expired = [
+                (sub, part)
+                for job in self._jobs.values()
+                if job.deadline is not None and now > job.deadline
+                for sub, part in job.waiting.items()
+                if part.tier == REMOTE and part is not job.promotion
+            ]
+        for sub, part in expired:
+            guard: LoadGuard | None = getattr(part.spec, "guard", None)
+            if guard is not None:
+                guard.abandon()
+            with self._lock:
+                self._report.expired_loads += len(part.block_hashes)
+            log.warning(
+                "kvtier: a Redis load of %d blocks passed its deadline; vLLM recomputes them",
+                len(part.block_hashes),
+            )
+            self._settle(REMOTE, sub, False, 0)
 
     def _poll(self) -> None:
         for tier, worker in list(self.workers.items()):
