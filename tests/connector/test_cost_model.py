@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvtier.connector.cost_model import CostConfig, CostModel
+from kvtier.connector.cost_model import MIN_DEADLINE_S, CostConfig, CostModel
 
 TOKENS = 32  # per block
 
@@ -106,3 +106,14 @@ def test_bad_settings_name_the_value_and_what_is_allowed(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         CostConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_a_load_may_take_about_a_recompute_before_it_is_given_up() -> None:
+    cost = model()
+    assert cost.load_deadline_s("redis", 10) is None  # nothing measured: no deadline
+    cost.observe_step(TOKENS * 10, 1.0)  # 0.1 s a block
+    assert cost.load_deadline_s("redis", 10) == pytest.approx(1.0)
+    assert cost.load_deadline_s("redis", 0) == MIN_DEADLINE_S  # never below the floor
+    cost.observe_round_trip("redis", 3.0)  # a load estimated slower: twice its estimate
+    assert cost.load_deadline_s("redis", 10) == pytest.approx(6.0)
+    assert model("always").load_deadline_s("redis", 10) is None

@@ -37,6 +37,7 @@ from typing import Literal
 
 MODES = ("measured", "always")
 MIN_STEP_BLOCKS = 2
+MIN_DEADLINE_S = 0.05
 Mode = Literal["measured", "always"]
 
 
@@ -170,6 +171,18 @@ class CostModel:
             return self.config.unmeasured_wait_s
         load = self.load_seconds(tier, num_blocks) or 0.0
         return max(recompute - load, 0.0)
+
+    def load_deadline_s(self, tier: str, num_blocks: int) -> float | None:
+        """How long a load of `num_blocks` from `tier` may take before it is given up and
+        the blocks recomputed: about what recomputing them costs, and never less than
+        twice the load's own estimate or MIN_DEADLINE_S (a load offered as faster than a
+        recompute must not be cut short by the noise of either estimate). None before
+        the engine was measured, and with mode "always"."""
+        recompute = self.recompute_seconds(num_blocks)
+        if self.config.mode == "always" or recompute is None:
+            return None
+        load = self.load_seconds(tier, num_blocks) or 0.0
+        return max(recompute, 2 * load, MIN_DEADLINE_S)
 
     def lookup_too_slow(self, tier: str, num_blocks: int) -> bool:
         """Whether `tier`'s lookups take longer than they could save: ask it in the

@@ -428,13 +428,12 @@ class KvtierOffloadingManager(OffloadingManager):
         return spec
 
     def _load_deadline(self, parts: list[Part]) -> float | None:
-        """How long the Redis part may take before the worker gives it up: about what
-        recomputing its blocks costs (None before the engine was measured, or with
-        `load_decision: always`)."""
+        """How long the Redis part may take before the worker gives it up (see
+        `CostModel.load_deadline_s`; None: no deadline)."""
         remote = next((p for p in parts if p.tier == REMOTE), None)
-        if remote is None or self.cost is None or self.cost.config.mode == "always":
+        if remote is None or self.cost is None:
             return None
-        return self.cost.recompute_seconds(len(remote.block_hashes))
+        return self.cost.load_deadline_s("redis", len(remote.block_hashes))
 
     def _plan_promotion(self, parts: list[Part]) -> Part | None:
         """Local slots for what Redis serves, taken by the chain (a refused or full local
