@@ -26,7 +26,8 @@ and one thing more (the last point):
   a small machine) run on.
 
 - each step's metadata carries the tokens it computes, and the workers time the step
-  (start of its KV loads to its results): the engine's own recompute cost, which the
+  (from its metadata, bound before the forward, to its results): the engine's own
+  recompute cost, which the
   scheduler side sets against each tier's load cost (`kvtier.connector.cost_model`).
 
 Everything else, scheduling included, is vLLM's own code.
@@ -153,7 +154,12 @@ class KvtierConnector(OffloadingConnector):
         # no attention metadata: vLLM runs this step only for the connector (every
         # request is waiting, most likely for a kvtier load, or stores are in flight)
         self._idle_step = getattr(forward_context, "attn_metadata", None) is None
-        tokens = getattr(self._get_connector_metadata(), STEP_TOKENS, 0)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Bound before the step's forward (vLLM starts asynchronous loads after it): the
+        step's timing for the recompute estimate starts here."""
+        super().bind_connector_metadata(connector_metadata)
+        tokens = getattr(connector_metadata, STEP_TOKENS, 0)
         self._step = (tokens, time.perf_counter()) if tokens else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
