@@ -37,7 +37,9 @@ from typing import Literal
 
 MODES = ("measured", "always")
 MIN_STEP_BLOCKS = 2
-MIN_DEADLINE_S = 0.05
+# a load's deadline is never shorter: a Redis call slower than its default socket timeout
+# (0.25 s) fails anyway, and a busy machine's load of a few blocks may take tens of ms
+MIN_DEADLINE_S = 0.25
 Mode = Literal["measured", "always"]
 
 
