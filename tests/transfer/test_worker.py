@@ -12,6 +12,7 @@ import torch
 
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.mediums import CPULoadStoreSpec
+from kvtier.remote.kv_store import LoadGuard
 from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.store.memory import MemoryStore
 from kvtier.transfer import device
@@ -345,3 +346,26 @@ def test_copy_threads_split_whole_layers() -> None:
     with pytest.raises(ValueError, match="copy_threads"):
         kv = random_kv(LAYOUTS[0], num_blocks=2, seed=1)
         TransferWorker.for_store(kv, MemoryStore(LAYOUTS[0], 2), copy_threads=0)
+
+
+def test_a_load_given_up_at_its_deadline_never_reaches_the_engine() -> None:
+    """A staged load whose guard was abandoned (its deadline passed, the engine recomputes
+    the blocks) fails, and not one byte of it is copied into the engine's blocks."""
+    kv = random_kv(PER_LAYER, num_blocks=4, seed=9)
+    store = DictStore(PER_LAYER)
+    with TransferWorker.for_store(kv, store) as worker:
+        worker.submit_store(1, [0], hashes(1))
+        worker.wait([1])
+        before = block_bytes(kv, 3)
+        given_up, kept = hashes(1), hashes(1)
+        given_up.guard = LoadGuard()  # type: ignore[attr-defined]
+        given_up.guard.abandon()  # type: ignore[attr-defined]
+        kept.guard = LoadGuard()  # type: ignore[attr-defined]
+        worker.submit_load(2, given_up, [3])
+        worker.submit_load(3, kept, [2])
+        worker.wait([2, 3])
+        results = {r.job_id: r.ok for r in worker.get_finished()}
+    assert results == {1: True, 2: False, 3: True}
+    assert block_bytes(kv, 3) == before
+    assert block_bytes(kv, 2) == block_bytes(kv, 0)
+    assert any("given up" in error for _, error in worker.errors)

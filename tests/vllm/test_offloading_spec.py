@@ -38,6 +38,7 @@ with quiet():
         make_offload_key,
     )
 
+    from kvtier.store.slow_io import SlowIO
     from kvtier.vllm.offloading.kvtier_connector import KvtierWorkerMetadata
     from kvtier.vllm.offloading.offloading_spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
 
@@ -282,16 +283,40 @@ def test_a_bad_key_fails_while_vllm_builds_its_config() -> None:
 def test_an_idle_step_waits_for_the_oldest_load(engines: list[Engine]) -> None:
     engine = Engine({"cpu_bytes_to_use": 4 * BLOCK_BYTES, "cpu_copy_threads": 3})
     engines.append(engine)
-    engine.worker.wait_for_load(30)  # nothing in flight: returns at once
+    engine.worker.wait_for_transfer(30)  # nothing in flight: returns at once
     keys = keys_of(4)
     data = engine.compute([0, 1, 2, 3], seed=7)
     engine.store(keys, [0, 1, 2, 3])
     spec = engine.manager.prepare_load(keys, engine.ctx)
     engine.worker.submit_load(99, spec, GPULoadStoreSpec([8, 6, 5, 4], [4], [0]))
-    engine.worker.wait_for_load(30)
+    engine.worker.wait_for_transfer(30)
     assert [r.job_id for r in engine.worker.get_finished()] == [99]
     assert [engine.block_bytes(i) for i in (8, 6, 5, 4)] == [data[i] for i in range(4)]
     engine.manager.complete_load(set(keys), engine.ctx)
+
+
+def test_an_idle_step_with_only_stores_in_flight_waits_for_the_oldest_store(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """Every request finished, its stores still running: the empty steps vLLM keeps
+    taking until they complete wait for them instead of spinning (issue 33: a
+    tensor-parallel engine's spin starved its own Redis stores until they timed out).
+    The disk writes are slowed (0.3 s per block file), so a wait that returned at once
+    would find the store unfinished."""
+    disk = {"disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 24}
+    engine = Engine({"cpu_bytes_to_use": 4 * BLOCK_BYTES, **disk})
+    engines.append(engine)
+    assert engine.worker.disk is not None
+    engine.worker.disk.io_hook = SlowIO(write_s=0.3).hook()
+    keys = keys_of(2, start=40)
+    engine.compute([0, 1], seed=8)
+    out = engine.manager.prepare_store(keys, engine.ctx)
+    assert out is not None
+    engine.worker.submit_store(77, GPULoadStoreSpec([0, 1], [2], [0]), out.store_spec)
+    engine.worker.wait_for_transfer(60)
+    assert [(r.job_id, r.success) for r in engine.worker.get_finished()] == [(77, True)]
+    engine.manager.complete_store(out.keys_to_store, engine.ctx)
+    assert engine.hits(keys) == 2
 
 
 def test_failure_prone_tiers_need_kvtier_connector(tmp_path: Path) -> None:

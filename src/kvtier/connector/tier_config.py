@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from kvtier.connector.cost_model import MODES, Mode
 from kvtier.offload.policies import available_policies, get_policy_class
 from kvtier.store.diskformat import block_file_bytes
 from kvtier.validate import whole_number
@@ -67,6 +68,16 @@ class TierConfig:
     redis_connect_timeout_s: float = 0.25
     redis_ttl_s: int | None = None
     redis_key_prefix: str = "kvt"
+    # "measured": offer a tier's hit only where loading it is predicted faster than
+    # recomputing it (kvtier.connector.cost_model); "always": every hit is loaded
+    load_decision: Mode = "measured"
+    # Each tier's queue of stores, in bytes: a store that would take a tier's queue past
+    # it is shed (not stored, counted, never an error), so a tier that falls behind
+    # holds no more than this of the engine's stores. The local tier's job writes the
+    # CPU tier and, with a disk, the disk (the disk's bound is then the local one's).
+    cpu_store_queue_bytes: int = 1 << 30
+    disk_store_queue_bytes: int = 512 << 20
+    redis_store_queue_bytes: int = 512 << 20
 
     @property
     def has_disk(self) -> bool:
@@ -84,6 +95,12 @@ class TierConfig:
             "ttl_s": self.redis_ttl_s,
             "key_prefix": self.redis_key_prefix,
         }
+
+    def store_queue_bytes(self, local: bool) -> int:
+        """The bound of the local tier's (CPU, or CPU and disk) or Redis's store queue."""
+        if not local:
+            return self.redis_store_queue_bytes
+        return self.disk_store_queue_bytes if self.has_disk else self.cpu_store_queue_bytes
 
     def cpu_blocks(self, bytes_per_block: int) -> int:
         blocks = self.cpu_bytes_to_use // bytes_per_block
@@ -129,7 +146,7 @@ def parse_tier_config(values: Mapping[str, Any], where: str) -> TierConfig:
 
 
 def _check(where: str, key: str, value: Any) -> Any:
-    if key in ("cpu_bytes_to_use", "disk_bytes_to_use"):
+    if key in ("cpu_bytes_to_use", "disk_bytes_to_use") or key.endswith("_store_queue_bytes"):
         return whole_number(where, value, minimum=1)
     if key == "store_threshold":
         return check_store_threshold(where, value)
@@ -147,6 +164,11 @@ def _check(where: str, key: str, value: Any) -> Any:
         return check_disk_writes(where, value)
     if key == "eviction_policy":
         return check_policy(where, value)
+    if key == "load_decision":
+        if value not in MODES:
+            allowed = ", ".join(repr(m) for m in MODES)
+            raise ValueError(f"{where} must be one of {allowed}, got {value!r}")
+        return value
     if not isinstance(value, str) or not value:  # disk_path, redis_url, redis_key_prefix
         raise ValueError(f"{where} must be a non-empty string, got {value!r}")
     return value

@@ -51,7 +51,18 @@ _METRICS = (
     TierMetric("store_bytes", "counter", "Bytes of those blocks."),
     TierMetric("store_time", "counter", "Seconds of the store jobs that wrote the tier."),
     TierMetric("load_failures", "counter", "Blocks of loads that failed (recomputed)."),
+    TierMetric(
+        "load_expired_blocks",
+        "counter",
+        "Blocks of loads given up at their deadline (about a recompute's time): recomputed.",
+    ),
     TierMetric("store_failures", "counter", "Blocks of stores that failed (not kept)."),
+    TierMetric(
+        "shed_blocks",
+        "counter",
+        "Blocks of stores shed because the tier's store queue was full (the tier fell "
+        "behind): not kept, not an error.",
+    ),
     TierMetric(
         "corrupt_blocks",
         "counter",
@@ -67,6 +78,33 @@ _METRICS = (
     ),
     TierMetric(
         "breaker_state", "gauge", "Redis circuit breaker: 0 closed, 1 half-open, 2 open (skipped)."
+    ),
+    TierMetric(
+        "decided_load_blocks",
+        "counter",
+        "Blocks the tier held that kvtier offered the engine, their load predicted faster "
+        "than recomputing them.",
+    ),
+    TierMetric(
+        "decided_recompute_blocks",
+        "counter",
+        "Blocks the tier held (or may have held: a lookup not waited for) that kvtier left "
+        "to recompute, their load predicted slower.",
+    ),
+    TierMetric(
+        "cost_round_trip_seconds",
+        "gauge",
+        "Moving estimate of a load's (and a lookup's) round trip to the tier.",
+    ),
+    TierMetric(
+        "cost_load_block_seconds",
+        "gauge",
+        "Moving estimate of a block's transfer time in a load from the tier.",
+    ),
+    TierMetric(
+        "cost_recompute_block_seconds",
+        "gauge",
+        "Moving estimate of recomputing one block of tokens on this engine (tier=engine).",
     ),
 )
 METRICS: dict[str, TierMetric] = {m.key: m for m in _METRICS}

@@ -25,12 +25,13 @@ keys names that order, so only engines that cut their pages the same way share.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.offload.abstract import LoadStoreSpec
-from kvtier.remote.kv_store import RemoteStoreError, remote_spec
+from kvtier.remote.kv_store import LoadGuard, RemoteStoreError, remote_spec
 from kvtier.remote.redis_store import Payload, RedisBlockStore
 from kvtier.remote.remote_config import RemoteConfig
 from kvtier.store.layout import KVLayout
@@ -235,4 +236,8 @@ class HeadShardKVStore:
                     f"remote block {block_hash.hex()} head {head} not servable ({size}, "
                     f"expected {len(row)} verified bytes); recompute it"
                 )
-            row[:] = value
+        guard: LoadGuard | None = getattr(remote, "guard", None)  # a deadline, see LoadGuard
+        with contextlib.nullcontext() if guard is None else guard.copying("a remote load"):
+            for row, value in zip(rows, values, strict=True):
+                assert value is not None  # checked above
+                row[:] = value

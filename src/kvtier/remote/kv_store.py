@@ -10,7 +10,9 @@ that is missing, corrupt or foreign raises `BlockLoadError` after being counted
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.remote.codec import fingerprint_digest
@@ -22,6 +24,33 @@ from kvtier.store.protocol import BlockLoadError
 
 class RemoteStoreError(RuntimeError):
     """A write to the remote tier failed (server down, timeout, breaker open)."""
+
+
+class LoadAbandoned(BlockLoadError):
+    """The load passed its deadline and was given up: its blocks are being recomputed."""
+
+
+class LoadGuard:
+    """Lets the owner of a load give it up while its round trip is still out (a deadline):
+    after `abandon()` returns, not one byte of the load reaches the engine's memory (the
+    copy into it runs under the guard's lock, or not at all), so the blocks the engine
+    recomputes meanwhile are never overwritten by a late answer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        with self._lock:  # waits for a copy already under way (it is then complete)
+            self.abandoned = True
+
+    @contextmanager
+    def copying(self, what: str) -> Iterator[None]:
+        """Hold off `abandon` while the copy runs; raise `LoadAbandoned` if it came first."""
+        with self._lock:
+            if self.abandoned:
+                raise LoadAbandoned(f"{what} given up at its deadline")
+            yield
 
 
 def remote_spec(spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> RemoteLoadStoreSpec:
@@ -58,8 +87,23 @@ class RedisKVStore:
             raise RemoteStoreError(f"remote store of {len(rows)} blocks failed")
 
     def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
+        """Fill `blocks`; a load given a `guard` (an attribute of its spec, see
+        `LoadGuard`) copies nothing once it was abandoned."""
         remote = remote_spec(spec, blocks)
         payloads = self.store.load(remote.block_hashes, remote.salt)
+        guard: LoadGuard | None = getattr(remote, "guard", None)
+        if guard is None:
+            self._copy(remote, payloads, blocks)
+            return
+        with guard.copying(f"load of {len(blocks)} remote blocks"):
+            self._copy(remote, payloads, blocks)
+
+    @staticmethod
+    def _copy(
+        remote: RemoteLoadStoreSpec,
+        payloads: Sequence[memoryview | None],
+        blocks: Sequence[memoryview],
+    ) -> None:
         for block_hash, payload, block in zip(remote.block_hashes, payloads, blocks, strict=True):
             row = _bytes_view(block)
             if payload is None or len(payload) != len(row):

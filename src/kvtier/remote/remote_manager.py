@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from kvtier.offload.abstract import (
     LoadStoreSpec,
@@ -60,6 +61,8 @@ class RemoteLoadStoreSpec(LoadStoreSpec):
     def __init__(self, block_hashes: list[BlockHash], salt: str | None = None) -> None:
         self.block_hashes = block_hashes
         self.salt = salt
+        # a load's `kv_store.LoadGuard`, set where the bytes move (a worker with a deadline)
+        self.guard: Any = None
 
     @staticmethod
     def medium() -> str:

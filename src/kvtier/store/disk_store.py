@@ -74,6 +74,7 @@ from kvtier.store.diskformat import (
 from kvtier.store.iothreads import IOThreads
 from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError
+from kvtier.store.slow_io import IOHook, hook_from_env
 from kvtier.types import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,8 @@ class DiskStore:
         self.capacity_blocks = capacity_bytes // self.block_file_bytes
         self.fsync = fsync
         self._io = IOThreads(io_threads, "kvtier-disk-io")
+        # tests and benchmarks only: called before each block file's I/O (kvtier.store.slow_io)
+        self.io_hook: IOHook | None = hook_from_env()
         if parallel_min_bytes < 0:
             raise ValueError(f"parallel_min_bytes must be >= 0, got {parallel_min_bytes}")
         self._parallel_min_bytes = parallel_min_bytes
@@ -222,6 +225,8 @@ class DiskStore:
             header = BlockHeader(block_hash, self._layout.fingerprint_bytes, size, checksum)
             raw = header.pack()
             tmp = f"{self._path(block_hash)}.{os.getpid()}-{next(self._tmp_ids)}{TMP_SUFFIX}"
+            if self.io_hook is not None:
+                self.io_hook("write")
             durable_write(self._path(block_hash), tmp, [raw, *parts], self.fsync)
             written.append((block_hash, len(raw) + size))
 
@@ -307,6 +312,8 @@ class DiskStore:
         state: xxhash.xxh3_64 | None = getattr(self._local, "hasher", None)
         if state is None:
             state = self._local.hasher = xxhash.xxh3_64()
+        if self.io_hook is not None:
+            self.io_hook("read")
         self._read_one(block_hashes[index], parts, state)
 
     def _read_one(

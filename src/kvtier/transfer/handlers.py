@@ -13,6 +13,7 @@ A handler method raises on failure; the worker turns that into a failed job.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -288,9 +289,13 @@ class StagedHandler:
             return moved
         staging = self._stage("load", len(device_ids))
         self.medium.read_blocks(spec, staging.rows[: len(device_ids)])
-        self._streams.run(
-            self._streams.load, ready, lambda: self._from_staging(staging, device_ids)
-        )
+        # a load given up at its deadline (`spec.guard`, see `kv_store.LoadGuard`) must not
+        # reach the engine's blocks once given up: the copy into them runs under the guard
+        guard = getattr(spec, "guard", None)
+        with contextlib.nullcontext() if guard is None else guard.copying("the staged load"):
+            self._streams.run(
+                self._streams.load, ready, lambda: self._from_staging(staging, device_ids)
+            )
         return moved
 
     def _to_staging(self, device_ids: npt.NDArray[np.int64], staging: _Staging) -> int:

@@ -54,6 +54,9 @@ class KvtierLoadSpec(LoadStoreSpec):
     discards: list[BlockHash] = field(default_factory=list)
     promotion: Part | None = None
     epoch: int = 0
+    # seconds the Redis part may take before the worker gives it up (its blocks are
+    # recomputed): about what recomputing them costs; None: no deadline
+    deadline_s: float | None = None
 
 
 @dataclass
@@ -62,7 +65,9 @@ class WorkerReport:
 
     `seconds`: time of the transfer jobs since the last report, by "tier:load" or
     "tier:store" (tier: cpu, disk, redis); `remote_corrupt`: Redis values refused
-    at load (the scheduler side's metrics)."""
+    at load (the scheduler side's metrics); `loads`: (tier, blocks, seconds) of each
+    load part that succeeded, and `steps`: (tokens, seconds) of each engine step that
+    computed tokens, for the load-or-recompute estimates (`kvtier.connector.cost_model`)."""
 
     failed_stores: dict[str, list[BlockHash]] = field(default_factory=dict)
     failed_loads: list[list[BlockHash]] = field(default_factory=list)
@@ -70,6 +75,11 @@ class WorkerReport:
     lost_demotions: list[BlockHash] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     remote_corrupt: int = 0
+    loads: list[tuple[str, int, float]] = field(default_factory=list)
+    steps: list[tuple[int, float]] = field(default_factory=list)
+    # store parts shed because their tier's store queue was full, by tier (LOCAL, REMOTE)
+    shed_stores: dict[str, list[BlockHash]] = field(default_factory=dict)
+    expired_loads: int = 0  # blocks of Redis loads given up at their deadline
 
     def __bool__(self) -> bool:
         """Whether anything failed."""
@@ -79,15 +89,14 @@ class WorkerReport:
             or self.corrupt_blocks
             or self.lost_demotions
             or self.remote_corrupt
+            or self.shed_stores
         )
 
     def worth_sending(self) -> bool:
-        return bool(self) or bool(self.seconds)
+        return bool(self) or bool(self.seconds or self.loads or self.steps)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
-        stores = {k: list(v) for k, v in self.failed_stores.items()}
-        for tier, hashes in other.failed_stores.items():
-            stores.setdefault(tier, []).extend(hashes)
+        stores = _merged(self.failed_stores, other.failed_stores)
         seconds = dict(self.seconds)
         for key, value in other.seconds.items():
             seconds[key] = seconds.get(key, 0.0) + value
@@ -98,4 +107,18 @@ class WorkerReport:
             self.lost_demotions + other.lost_demotions,
             seconds,
             self.remote_corrupt + other.remote_corrupt,
+            self.loads + other.loads,
+            self.steps + other.steps,
+            _merged(self.shed_stores, other.shed_stores),
+            self.expired_loads + other.expired_loads,
         )
+
+
+def _merged(
+    first: dict[str, list[BlockHash]], second: dict[str, list[BlockHash]]
+) -> dict[str, list[BlockHash]]:
+    """Two reports' blocks by tier, together."""
+    merged = {tier: list(hashes) for tier, hashes in first.items()}
+    for tier, hashes in second.items():
+        merged.setdefault(tier, []).extend(hashes)
+    return merged

@@ -18,11 +18,17 @@ and one thing more (the last point):
   the workers' reports are summed (vLLM completes a job once every worker has, and
   unions their load errors), so a block one worker failed on fails on all of them.
 - at start: models with other than attention layers (Mamba) are refused by name.
-- a step with nothing to compute (every request waits for its KV) waits a few
-  milliseconds for the oldest load before it returns, and a step that schedules
-  nothing while Redis lookups are out waits as long for their answers, rather than
-  letting the engine spin through empty steps on the cores the copy and the lookups
-  (and the Redis server, on a small machine) run on.
+- a step with nothing to compute (every request waits for its KV, or every request
+  has finished and its stores are in flight) waits a few milliseconds for the oldest
+  load (or store) before it returns, and a step that schedules nothing while Redis
+  lookups are out waits as long for their answers, rather than letting the engine spin
+  through empty steps on the cores the copies and the lookups (and the Redis server, on
+  a small machine) run on.
+
+- each step's metadata carries the tokens it computes, and the workers time the step
+  (from its metadata, bound before the forward, to its results): the engine's own
+  recompute cost, which the
+  scheduler side sets against each tier's load cost (`kvtier.connector.cost_model`).
 
 Everything else, scheduling included, is vLLM's own code.
 """
@@ -30,6 +36,7 @@ Everything else, scheduling included, is vLLM's own code.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,9 +98,11 @@ def worker_meta(meta: OffloadingWorkerMetadata | None, report: WorkerReport) -> 
     )
 
 
-# How long an empty engine step waits for a load or a lookup: longer frees more of the
+# How long an empty engine step waits for a transfer or a lookup: longer frees more of the
 # copy's core, but delays a request that arrives meanwhile by as much.
 IDLE_STEP_WAIT_S = 0.005
+# the attribute of vLLM's connector metadata that tells the workers a step's tokens
+STEP_TOKENS = "kvtier_step_tokens"
 
 
 def wait_for_lookups(manager: Any, scheduler_output: Any) -> bool:
@@ -113,6 +122,7 @@ class KvtierConnector(OffloadingConnector):
         check_vllm_version()
         check_layer_types(kv_cache_config)
         self._idle_step = False  # the current step computes nothing (see get_finished)
+        self._step: tuple[int, float] | None = None  # (tokens, start) of the step running
         token = UNDER_KVTIER_CONNECTOR.set(True)
         heads = TOTAL_KV_HEADS.set(vllm_config.model_config.get_total_num_kv_heads())
         try:
@@ -144,17 +154,29 @@ class KvtierConnector(OffloadingConnector):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
         # no attention metadata: vLLM runs this step only for the connector (every
-        # request is waiting, most likely for a kvtier load)
+        # request is waiting, most likely for a kvtier load, or stores are in flight)
         self._idle_step = getattr(forward_context, "attn_metadata", None) is None
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Bound before the step's forward (vLLM starts asynchronous loads after it): the
+        step's timing for the recompute estimate starts here."""
+        super().bind_connector_metadata(connector_metadata)
+        tokens = getattr(connector_metadata, STEP_TOKENS, 0)
+        self._step = (tokens, time.perf_counter()) if tokens else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """On a step with nothing to compute, wait (up to IDLE_STEP_WAIT_S) for the oldest
-        load instead of returning at once: vLLM would run the next empty step right away,
-        and its engine loop spinning through empty steps takes the cores the copy needs
-        (on the CPU platform, the very core: vLLM binds the worker's thread to it)."""
+        load (or, with none, store) instead of returning at once: vLLM would run the next
+        empty step right away, and its engine loop spinning through empty steps takes the
+        cores the copies need (on the CPU platform, the very core: vLLM binds the worker's
+        thread to it) and, on a small machine, the Redis server's."""
         worker = self._kvtier_worker()
+        if worker is not None and self._step is not None:  # the recompute estimate
+            tokens, started = self._step
+            worker.note_step(tokens, time.perf_counter() - started)
+            self._step = None
         if worker is not None and self._idle_step:
-            worker.wait_for_load(IDLE_STEP_WAIT_S)
+            worker.wait_for_transfer(IDLE_STEP_WAIT_S)
         finished: tuple[set[str], set[str]] = super().get_finished(finished_req_ids)
         return finished
 
@@ -174,7 +196,9 @@ class KvtierConnector(OffloadingConnector):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self.connector_scheduler is not None:
             wait_for_lookups(self.connector_scheduler.manager, scheduler_output)
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        setattr(meta, STEP_TOKENS, scheduler_output.total_num_scheduled_tokens)
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

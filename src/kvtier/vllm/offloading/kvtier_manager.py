@@ -34,6 +34,7 @@ sliding-window group, only those in the window at the hit point).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.connector.chain import ChainSpec, TierChain
+from kvtier.connector.cost_model import CostModel
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.offload.abstract import reset_tier
 from kvtier.offload.cascade_manager import (
@@ -72,6 +74,7 @@ from kvtier.vllm.offloading.job_specs import (
     Part,
     WorkerReport,
 )
+from kvtier.vllm.offloading.remote_runs import RemoteRuns, plan_of
 from kvtier.vllm.offloading.tier_stats import TierStats
 
 log = logging.getLogger(__name__)
@@ -152,13 +155,17 @@ class KvtierOffloadingManager(OffloadingManager):
         keep_files: Callable[[set[BlockHash]], object] | None = None,
         block_bytes: int = 0,
         file_bytes: int = 0,
+        cost: CostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`whole_keys`: the engine has several KV-cache groups (see the module's "Keys");
         `take_discards`: disk files the local tier let go of since the last job (the
         worker deletes them in order, before the job that may reuse their slots);
         `delete_files`: deletes disk files from here, for what must be gone before any
         job comes (a reset); `keep_files`: deletes every disk file but these (shutdown);
-        `block_bytes`, `file_bytes`: one block's bytes, and its disk file's (metrics)."""
+        `block_bytes`, `file_bytes`: one block's bytes, and its disk file's (metrics);
+        `cost`: the load-or-recompute model deciding Redis hits (None: every hit is
+        offered, as before it existed); `clock`: for how long a lookup has waited."""
         self.whole_keys = whole_keys
         self._hash_of: Callable[[OffloadKey], BlockHash] = (
             whole_key if whole_keys else block_hash_of
@@ -195,8 +202,17 @@ class KvtierOffloadingManager(OffloadingManager):
         else:
             tiers = {"cpu": block_status_core(local)}
         self._local_label = "disk" if "disk" in tiers else "cpu"
+        self.cost = cost
+        self.clock = clock
         self.tier_stats = TierStats(
-            tiers, block_bytes=block_bytes, file_bytes=file_bytes, remote=remote
+            tiers, block_bytes=block_bytes, file_bytes=file_bytes, remote=remote, cost=cost
+        )
+        self._runs = (
+            None
+            if cost is None or remote is None
+            else RemoteRuns(
+                remote, cost, self.tier_stats, self._found, self._remember, lambda: self.clock()
+            )
         )
 
     def _tier(self, name: str) -> KvtierManager:
@@ -220,6 +236,12 @@ class KvtierOffloadingManager(OffloadingManager):
             block_hash = block_hash_of(key)  # raises, naming the group
         if self.remote is None:  # the hot path: one tier, nothing to remember
             return _HIT if self._local_hit(block_hash) else _MISS
+        if self._runs is not None:
+            plan = plan_of(req_context)
+            pos = plan.position(block_hash)
+            if self._local_hit(block_hash):
+                return self._hit(block_hash, LOCAL)
+            return self._runs.lookup(block_hash, plan, pos)
         if self._local_hit(block_hash):
             return self._hit(block_hash, LOCAL)
         if self._found.get(block_hash) == REMOTE:
@@ -234,17 +256,26 @@ class KvtierOffloadingManager(OffloadingManager):
         self.tier_stats.add("hit_blocks", "redis", 1)
         return self._hit(block_hash, REMOTE)
 
+    def step_seconds(self, steps: list[tuple[int, float]]) -> None:
+        """Engine steps the workers timed: (tokens computed, seconds)."""
+        if self.cost is not None:
+            for tokens, seconds in steps:
+                self.cost.observe_step(tokens, seconds)
+
     def wait_lookups(self, timeout: float | None = None) -> bool:
         """Block (up to `timeout`) until the Redis tier's lookups in flight are answered."""
         wait = getattr(self.remote, "wait_lookups", None)
         return True if wait is None else bool(wait(timeout))
 
     def _hit(self, block_hash: BlockHash, tier: str) -> LookupResult:
+        self._remember(block_hash, tier)
+        return LookupResult.HIT
+
+    def _remember(self, block_hash: BlockHash, tier: str) -> None:
         self._found[block_hash] = tier
         self._found.move_to_end(block_hash)
         if len(self._found) > MAX_REMEMBERED_HITS:
             self._found.popitem(last=False)
-        return LookupResult.HIT
 
     def _where(self, block_hash: BlockHash) -> str:
         known = self._found.pop(block_hash, None)
@@ -273,11 +304,20 @@ class KvtierOffloadingManager(OffloadingManager):
                 self._tier(name).complete_load(part)
             raise
         _use_of(req_context).loaded += hashes
+        spec.deadline_s = self._load_deadline(spec.parts)
         spec.promotion = self._plan_promotion(spec.parts)
         spec.discards = self._next_discards()  # after the promotion's own disk evictions
         promoted = spec.promotion.block_hashes if spec.promotion is not None else []
         self._loads[frozenset(hashes)].append((taken, promoted))
         return spec
+
+    def _load_deadline(self, parts: list[Part]) -> float | None:
+        """How long the Redis part may take before the worker gives it up (see
+        `CostModel.load_deadline_s`; None: no deadline)."""
+        remote = next((p for p in parts if p.tier == REMOTE), None)
+        if remote is None or self.cost is None:
+            return None
+        return self.cost.load_deadline_s("redis", len(remote.block_hashes))
 
     def _plan_promotion(self, parts: list[Part]) -> Part | None:
         """Local slots for what Redis serves, taken by the chain (a refused or full local
@@ -383,6 +423,8 @@ class KvtierOffloadingManager(OffloadingManager):
             self.store_failures += 1
             self._failed_stores.update((name, h) for h in hashes)
             log.warning("kvtier: a %s store of %d blocks failed (not kept)", name, len(hashes))
+        for name, hashes in report.shed_stores.items():  # a tier behind: not kept, no error
+            self._failed_stores.update((name, h) for h in hashes)
         for hashes in report.failed_loads:
             self.load_failures += 1
             self._failed_loads.update(hashes)
@@ -405,6 +447,13 @@ class KvtierOffloadingManager(OffloadingManager):
         add("corrupt_blocks", "disk", len(report.corrupt_blocks))
         add("corrupt_blocks", "redis", report.remote_corrupt)
         add("store_failures", "disk", len(report.lost_demotions))
+        for name, hashes in report.shed_stores.items():
+            add("shed_blocks", "redis" if name == REMOTE else self._local_label, len(hashes))
+        add("load_expired_blocks", "redis", report.expired_loads)
+        if self.cost is not None:
+            for tier, blocks, seconds in report.loads:
+                self.cost.observe_load(tier, blocks, seconds)
+            self.step_seconds(report.steps)
 
     def _count_load(self, name: str, part: list[BlockHash], spec: object) -> None:
         add = self.tier_stats.add

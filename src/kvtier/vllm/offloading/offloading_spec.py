@@ -25,6 +25,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kvtier.connector.cost_model import CostConfig, CostModel
 from kvtier.connector.tier_config import TierConfig
 from kvtier.connector.tier_stack import DiskBacking, StackConfig, build_tiers
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
@@ -151,6 +152,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             keep_files=self._keep_files if cfg.disk_path is not None else None,
             block_bytes=self.layout.bytes_per_block,
             file_bytes=block_file_bytes(self.layout.bytes_per_block),
+            cost=CostModel(CostConfig(mode=cfg.load_decision), self.block_size),
         )
 
     def _disk_directories(self) -> list[Path]:

@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 
+from kvtier.connector.cost_model import CostModel
 from kvtier.offload.tier_metrics import BREAKER_STATES, LOOKUP_BUCKETS, METRICS
 
 _TIER = ("tier",)
@@ -62,12 +63,20 @@ class TierStats:
     """
 
     def __init__(
-        self, tiers: dict[str, Any], *, block_bytes: int, file_bytes: int, remote: Any = None
+        self,
+        tiers: dict[str, Any],
+        *,
+        block_bytes: int,
+        file_bytes: int,
+        remote: Any = None,
+        cost: CostModel | None = None,
     ) -> None:
         self.tiers = tiers
         self.block_bytes = block_bytes
         self.file_bytes = file_bytes
         self.remote = remote  # the RemoteOffloadingManager, for its store and lookups
+        self.cost = cost  # the load-or-recompute estimates and decisions
+        self._lookup_seconds: list[float] = []  # round trips not yet handed to vLLM
         self.extra: defaultdict[tuple[str, str], float] = defaultdict(float)
         self._reported: defaultdict[tuple[str, str], float] = defaultdict(float)
 
@@ -84,6 +93,9 @@ class TierStats:
             counters = manager.counters
             for field, key in _MANAGER_COUNTERS.items():
                 totals[key, tier] += getattr(counters, field)
+        if self.cost is not None:
+            for (tier, decision), blocks in self.cost.decisions.items():
+                totals[f"decided_{decision}_blocks", tier] += blocks
         for tier in (*self.tiers, "redis"):
             totals["load_bytes", tier] = totals["load_blocks", tier] * self.block_bytes
             totals["store_bytes", tier] = totals["store_blocks", tier] * self.block_bytes
@@ -103,7 +115,20 @@ class TierStats:
         if self.remote is not None:
             state = self.remote.store.breaker.state.value
             gauges["breaker_state", "redis"] = BREAKER_STATES[state]
+        if self.cost is not None:
+            gauges |= self.cost.gauges()
         return gauges
+
+    def pull_lookup_seconds(self) -> None:
+        """Take the Redis lookup round trips timed so far: the cost model's round-trip
+        estimate follows them at once, and vLLM's histogram gets them at `take`."""
+        if self.remote is None:
+            return
+        seconds = self.remote.take_lookup_seconds()
+        if self.cost is not None:
+            for value in seconds:
+                self.cost.observe_round_trip("redis", value)
+        self._lookup_seconds += seconds
 
     def take(self) -> OffloadingConnectorStats:
         stats = OffloadingConnectorStats()
@@ -115,6 +140,8 @@ class TierStats:
         for (key, tier), value in self.gauges().items():
             stats.set_gauge(METRICS[key].name, value, (tier,))
         if self.remote is not None:
-            for seconds in self.remote.take_lookup_seconds():
-                stats.observe_histogram(METRICS["lookup_seconds"].name, seconds, ("redis",))
+            self.pull_lookup_seconds()
+            seconds, self._lookup_seconds = self._lookup_seconds, []
+            for value in seconds:
+                stats.observe_histogram(METRICS["lookup_seconds"].name, value, ("redis",))
         return stats

@@ -1,0 +1,207 @@
+"""Load or recompute: what a load from each tier costs, against recomputing, measured.
+
+A hit in a tier is only worth loading where the load is faster than computing those
+tokens again. That break-even moves with the model, the link and the load of the
+machine (llm-d measured it anywhere from under 2K to about 8.7K tokens), so it is not a
+constant to configure but a comparison of two measured, moving estimates:
+
+- per tier, what a load of n blocks takes: a round trip (Redis: every lookup's, as the
+  background lookup thread times it) plus n times a block's transfer time (each finished
+  load job's seconds less its round trip, over its blocks). Exponential moving averages
+  (`smoothing` is a new sample's weight): they follow a tier as it slows down or recovers.
+- what recomputing takes on this engine: seconds per token of the engine's own steps
+  (the scheduler side times each step that computes tokens, start to output), at the
+  load the engine is under now.
+
+`worth_loading(tier, n)` offers the n blocks only when the load is predicted faster.
+The model decides per tier (the caller asks once per tier's run of blocks): a long
+prefix may take its head from the CPU tier, which costs next to nothing, and recompute a
+tail that only a slow Redis holds. Per tier is right because the costs are linear in
+the blocks past one round trip: if a tier's run is not worth loading whole, no part of
+it is (a shorter run saves less and pays the same round trip), while the CPU tier's head
+is worth loading whatever the Redis tail costs.
+
+Until a tier or the engine has been measured at all, hits are loaded (what kvtier did
+before): the first load and the first computed prompt give the estimates. `mode="always"`
+keeps loading every hit (the setting the crossover table measures against).
+
+Bookkeeping only: no vLLM, no clock of its own (callers pass seconds in).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+MODES = ("measured", "always")
+MIN_STEP_BLOCKS = 2
+# a load's deadline is never shorter: a Redis call slower than its default socket timeout
+# (0.25 s) fails anyway, and a busy machine's load of a few blocks may take tens of ms
+MIN_DEADLINE_S = 0.25
+Mode = Literal["measured", "always"]
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """`mode`: "measured" (load only what beats a recompute) or "always" (every hit);
+    `smoothing`: a new sample's weight in the moving averages, in (0, 1];
+    `unmeasured_wait_s`: how long a lookup may hold a request before the engine has
+    computed anything (what it could save is not known yet; a Redis call that takes
+    longer than the default socket timeout, 0.25 s, fails anyway)."""
+
+    mode: Mode = "measured"
+    smoothing: float = 0.2
+    unmeasured_wait_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"load_decision={self.mode!r}; allowed: {', '.join(MODES)}")
+        smoothing = self.smoothing
+        if isinstance(smoothing, bool) or not isinstance(smoothing, int | float):
+            raise ValueError(f"cost smoothing={smoothing!r}; a number in (0, 1]")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"cost smoothing={smoothing!r}; a number in (0, 1]")
+        wait = self.unmeasured_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < math.inf:
+            raise ValueError(f"unmeasured_wait_s={wait!r}; a finite number of seconds >= 0")
+
+
+class MovingAverage:
+    """An exponential moving average; None until its first sample."""
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        if not math.isfinite(sample) or sample < 0:
+            return  # a clock that went backwards, a bug upstream: never poison the estimate
+        value = self.value
+        self.value = sample if value is None else value + self.weight * (sample - value)
+
+
+class TierCost:
+    """One tier's load cost: a round trip plus a transfer time per block."""
+
+    def __init__(self, weight: float) -> None:
+        self.round_trip = MovingAverage(weight)
+        self.block_seconds = MovingAverage(weight)
+
+    def seconds(self, num_blocks: int) -> float | None:
+        """Predicted seconds to load `num_blocks`, or None if never measured."""
+        rtt, per_block = self.round_trip.value, self.block_seconds.value
+        if rtt is None and per_block is None:
+            return None
+        return (rtt or 0.0) + num_blocks * (per_block or 0.0)
+
+
+class CostModel:
+    """The estimates and the per-tier decisions (see the module docstring)."""
+
+    def __init__(self, config: CostConfig, tokens_per_block: int) -> None:
+        if tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block={tokens_per_block}; at least 1")
+        self.config = config
+        self.tokens_per_block = tokens_per_block
+        self.tiers: dict[str, TierCost] = {}
+        self.token_seconds = MovingAverage(config.smoothing)  # recompute, per token
+        # (tier, "load" | "recompute") -> blocks decided that way
+        self.decisions: Counter[tuple[str, str]] = Counter()
+
+    def tier(self, name: str) -> TierCost:
+        cost = self.tiers.get(name)
+        if cost is None:
+            cost = self.tiers[name] = TierCost(self.config.smoothing)
+        return cost
+
+    # --- what was measured ---------------------------------------------------
+
+    def observe_round_trip(self, tier: str, seconds: float) -> None:
+        self.tier(tier).round_trip.add(seconds)
+
+    def observe_load(self, tier: str, num_blocks: int, seconds: float) -> None:
+        """A finished load job: its time past one round trip is the blocks' transfer."""
+        if num_blocks < 1:
+            return
+        cost = self.tier(tier)
+        rtt = cost.round_trip.value or 0.0
+        cost.block_seconds.add(max(seconds - rtt, 0.0) / num_blocks)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """An engine step that computed `num_tokens` tokens in `seconds`. Steps of fewer
+        than MIN_STEP_BLOCKS blocks of tokens (decode steps, short prompts) are left out:
+        their time is mostly the step's own, which recomputing a prefix does not add."""
+        if num_tokens >= MIN_STEP_BLOCKS * self.tokens_per_block:
+            self.token_seconds.add(seconds / num_tokens)
+
+    # --- predictions and decisions ------------------------------------------
+
+    def recompute_seconds(self, num_blocks: int) -> float | None:
+        per_token = self.token_seconds.value
+        return None if per_token is None else num_blocks * self.tokens_per_block * per_token
+
+    def load_seconds(self, tier: str, num_blocks: int) -> float | None:
+        cost = self.tiers.get(tier)
+        return None if cost is None else cost.seconds(num_blocks)
+
+    def worth_loading(self, tier: str, num_blocks: int) -> bool:
+        """Whether loading `num_blocks` from `tier` is predicted faster than recomputing
+        them (always, in mode "always" or before either side was measured)."""
+        if self.config.mode == "always" or num_blocks < 1:
+            return True
+        load, recompute = self.load_seconds(tier, num_blocks), self.recompute_seconds(num_blocks)
+        if load is None or recompute is None:
+            return True
+        return load < recompute
+
+    def decide(self, tier: str, num_blocks: int) -> bool:
+        """`worth_loading`, counted (per tier, in blocks) for `/metrics`."""
+        load = self.worth_loading(tier, num_blocks)
+        self.decisions[tier, "load" if load else "recompute"] += num_blocks
+        return load
+
+    def wait_budget_s(self, tier: str, num_blocks: int) -> float:
+        """The longest a request should wait for `tier`'s lookup of `num_blocks`: what the
+        lookup could save at best (recomputing them, less loading them); 0 once loading
+        them would not pay, `unmeasured_wait_s` before the engine computed anything."""
+        if self.config.mode == "always":
+            return math.inf
+        recompute = self.recompute_seconds(num_blocks)
+        if recompute is None:
+            return self.config.unmeasured_wait_s
+        load = self.load_seconds(tier, num_blocks) or 0.0
+        return max(recompute - load, 0.0)
+
+    def load_deadline_s(self, tier: str, num_blocks: int) -> float | None:
+        """How long a load of `num_blocks` from `tier` may take before it is given up and
+        the blocks recomputed: about what recomputing them costs, and never less than
+        twice the load's own estimate or MIN_DEADLINE_S (a load offered as faster than a
+        recompute must not be cut short by the noise of either estimate). None before
+        the engine was measured, and with mode "always"."""
+        recompute = self.recompute_seconds(num_blocks)
+        if self.config.mode == "always" or recompute is None:
+            return None
+        load = self.load_seconds(tier, num_blocks) or 0.0
+        return max(recompute, 2 * load, MIN_DEADLINE_S)
+
+    def lookup_too_slow(self, tier: str, num_blocks: int) -> bool:
+        """Whether `tier`'s lookups take longer than they could save: ask it in the
+        background for later requests, and let this one go on without it."""
+        cost = self.tiers.get(tier)
+        rtt = None if cost is None else cost.round_trip.value
+        return rtt is not None and rtt > self.wait_budget_s(tier, num_blocks)
+
+    def gauges(self) -> dict[tuple[str, str], float]:
+        """The estimates, by (metric key, tier), for `/metrics`."""
+        out: dict[tuple[str, str], float] = {}
+        for name, cost in self.tiers.items():
+            if cost.round_trip.value is not None:
+                out["cost_round_trip_seconds", name] = cost.round_trip.value
+            if cost.block_seconds.value is not None:
+                out["cost_load_block_seconds", name] = cost.block_seconds.value
+        per_block = self.recompute_seconds(1)
+        if per_block is not None:
+            out["cost_recompute_block_seconds", "engine"] = per_block
+        return out

@@ -1,0 +1,170 @@
+"""Which of a request's Redis blocks vLLM is offered: the load-or-recompute decision at
+the vLLM boundary (`kvtier.connector.cost_model` makes it; this module applies it).
+
+vLLM asks the scheduler side about one key at a time, walking a request's blocks in
+order, and asks again on a later step while any answer is RETRY. A Redis run is decided
+as a whole (a round trip is paid once per run, so only the whole run is worth loading
+or not), from what an earlier pass over the prompt listed (`LookupPlan`, kept in the
+request's context) and the background lookups' answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+from kvtier.connector.cost_model import CostModel
+from kvtier.offload.abstract import OffloadingManager as KvtierManager
+from kvtier.types import BlockHash
+from kvtier.vllm.offloading.job_specs import REMOTE
+from kvtier.vllm.offloading.tier_stats import TierStats
+
+
+@dataclass
+class LookupPlan:
+    """One request's lookups, for deciding its Redis run as a whole (vLLM asks key by
+    key): the keys in the order asked (an earlier pass over the prompt, whose Redis
+    answers were not in yet, lists the keys after the one asked now), the answers taken
+    from the Redis tier in this pass (its hits are also kept in the manager's `_found`,
+    its misses are asked again in the next pass), and where this pass stands: the first
+    block it offered from Redis, and whether it left the rest to recompute."""
+
+    keys: list[BlockHash] = field(default_factory=list)
+    index: dict[BlockHash, int] = field(default_factory=dict)
+    answers: dict[BlockHash, int] = field(default_factory=dict)
+    start: int | None = None  # this pass's first block offered from Redis
+    declined: bool = False  # this pass leaves the rest to recompute
+    deferred: bool = False  # this pass waits for Redis answers (vLLM asks again later)
+    last: int = -1
+    passes: int = 1
+    waiting_since: float | None = None
+
+    def position(self, block_hash: BlockHash) -> int:
+        pos = self.index.get(block_hash)
+        if pos is None:
+            pos = self.index[block_hash] = len(self.keys)
+            self.keys.append(block_hash)
+        elif pos <= self.last:  # vLLM asks the prompt again from its start (a later step):
+            self.passes += 1  # decide again, on what is known now (misses asked again)
+            self.start, self.declined, self.deferred = None, False, False
+            self.answers.clear()
+        self.last = pos
+        return pos
+
+
+def plan_of(req_context: ReqContext) -> LookupPlan:
+    plan: LookupPlan | None = req_context.get_state(LookupPlan)
+    if plan is None:
+        plan = LookupPlan()
+        req_context.set_state(plan)
+    return plan
+
+
+class RemoteRuns:
+    """Decides a request's Redis runs. `found`: the manager's memory of where recent
+    lookups found each block (a Redis answer is handed out once), which `remember`
+    adds to; `clock`: for how long a request has waited on its lookups."""
+
+    def __init__(
+        self,
+        remote: KvtierManager,
+        cost: CostModel,
+        stats: TierStats,
+        found: Mapping[BlockHash, str],
+        remember: Callable[[BlockHash, str], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.remote = remote
+        self.cost = cost
+        self.tier_stats = stats
+        self._found = found
+        self._remember_in = remember
+        self.clock = clock
+
+    def _remember(self, block_hash: BlockHash) -> None:
+        self._remember_in(block_hash, REMOTE)
+
+    def lookup(self, block_hash: BlockHash, plan: LookupPlan, pos: int) -> LookupResult:
+        """A block the local tier lacks: offered from Redis only while loading this pass's
+        Redis run (from its first block to the last one known) is predicted faster than
+        recomputing it (`cost_model`). Where it may be, but not yet known to be, the
+        request waits for the answers (of the keys an earlier pass listed), no longer than
+        they could save. A run worth loading at its first block is worth loading whole (a
+        longer run pays the same round trip), so answers given stay right as more come,
+        and the run is walked once per pass (at its first block), not once per block."""
+        cost = self.cost
+        if plan.declined:
+            return self._answer(block_hash, False)
+        if plan.start is not None or plan.deferred:  # decided (or waiting) at the run's start
+            found = self._answer_of(plan, block_hash)
+            if found is None or plan.deferred:
+                return LookupResult.RETRY
+            cost.decisions["redis", "load"] += bool(found)
+            return self._answer(block_hash, bool(found))
+        ahead, pending = self._known_run(plan, pos)
+        self.tier_stats.pull_lookup_seconds()  # the round trips so far, for the estimate
+        if ahead and cost.worth_loading("redis", ahead):
+            plan.start = pos
+            cost.decisions["redis", "load"] += 1
+            return self._answer(block_hash, True)
+        if pending:
+            now = self.clock()
+            if plan.waiting_since is None:
+                plan.waiting_since = now
+            blocks = max(len(plan.keys) - pos, 1)
+            patient = plan.passes < 2 or not (
+                cost.lookup_too_slow("redis", blocks)
+                or now - plan.waiting_since > cost.wait_budget_s("redis", blocks)
+            )
+            if patient:
+                plan.deferred = True
+                return LookupResult.RETRY
+            # waited as long as the lookup could save: the request goes on without it;
+            # the questions stay asked, and their answers serve later requests
+            ahead = blocks
+        if ahead:
+            cost.decisions["redis", "recompute"] += ahead
+            plan.declined = True
+        return self._answer(block_hash, False)
+
+    def _known_run(self, plan: LookupPlan, pos: int) -> tuple[int, bool]:
+        """How many keys from `pos` on Redis holds by the answers in, and whether the run
+        may go on past them: an answer is still out, or (a first pass over the prompt)
+        no key after them has been asked yet."""
+        run = 0
+        for h in plan.keys[pos:]:
+            found = self._answer_of(plan, h)
+            if found is None:
+                return run, True
+            if not found:
+                return run, False
+            run += 1
+        return run, plan.passes < 2  # every key listed so far is there: more may follow
+
+    def _answer_of(self, plan: LookupPlan, block_hash: BlockHash) -> int | None:
+        """Redis's answer for one block (1 or 0), None while it is not in (asked now if
+        it was not yet). An answer is handed out once: kept for this pass, and a hit
+        beyond (see `_found`)."""
+        found = plan.answers.get(block_hash)
+        if found is None:
+            if self._found.get(block_hash) == REMOTE:
+                found = 1
+            else:
+                found = self.remote.lookup([block_hash])
+                if found is None:
+                    return None
+                if found:
+                    self._remember(block_hash)
+            plan.answers[block_hash] = found
+        return found
+
+    def _answer(self, block_hash: BlockHash, offered: bool) -> LookupResult:
+        """A block's final answer within a decided run (counted as the tier's lookup)."""
+        self.tier_stats.add("lookup_blocks", "redis", 1)
+        if not offered:
+            return LookupResult.MISS
+        self.tier_stats.add("hit_blocks", "redis", 1)
+        self._remember(block_hash)
+        return LookupResult.HIT

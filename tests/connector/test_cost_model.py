@@ -1,0 +1,119 @@
+"""The load-or-recompute model: measured, moving estimates and the decisions they give."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtier.connector.cost_model import MIN_DEADLINE_S, CostConfig, CostModel
+
+TOKENS = 32  # per block
+
+
+def model(mode: str = "measured") -> CostModel:
+    return CostModel(CostConfig(mode=mode), TOKENS)  # type: ignore[arg-type]
+
+
+def test_before_anything_is_measured_every_hit_is_loaded() -> None:
+    cost = model()
+    assert cost.worth_loading("redis", 8)
+    cost.observe_round_trip("redis", 0.2)
+    assert cost.worth_loading("redis", 8)  # the engine's recompute not measured yet
+    assert cost.wait_budget_s("redis", 8) == CostConfig().unmeasured_wait_s
+
+
+def test_a_run_is_loaded_only_past_the_break_even() -> None:
+    cost = model()
+    cost.observe_step(TOKENS * 10, 0.1)  # 10 ms per block to recompute
+    cost.observe_round_trip("redis", 0.2)
+    cost.observe_load("redis", 100, 0.2 + 100 * 0.002)  # 2 ms per block past the round trip
+    assert cost.load_seconds("redis", 10) == pytest.approx(0.22)
+    assert cost.recompute_seconds(10) == pytest.approx(0.1)
+    # break-even: 0.2 + 0.002 n < 0.01 n, so n > 25
+    assert not cost.worth_loading("redis", 25)
+    assert cost.worth_loading("redis", 26)
+    assert cost.worth_loading("cpu", 1)  # a tier never measured: loaded
+
+
+def test_the_estimates_follow_a_tier_that_slows_down_and_recovers() -> None:
+    cost = model()
+    cost.observe_step(TOKENS * 100, 1.0)  # 10 ms per block
+    for _ in range(30):
+        cost.observe_round_trip("redis", 0.001)
+    assert cost.worth_loading("redis", 4)
+    for _ in range(30):
+        cost.observe_round_trip("redis", 0.5)  # the link slows: recompute instead
+    assert not cost.worth_loading("redis", 4)
+    for _ in range(30):
+        cost.observe_round_trip("redis", 0.001)  # and recovers
+    assert cost.worth_loading("redis", 4)
+
+
+def test_decisions_are_counted_per_tier_in_blocks() -> None:
+    cost = model()
+    cost.observe_step(TOKENS * 2, 0.002)
+    cost.observe_round_trip("redis", 1.0)
+    assert not cost.decide("redis", 6)
+    cost.observe_round_trip("cpu", 0.0)
+    assert cost.decide("cpu", 3)
+    assert cost.decisions == {("redis", "recompute"): 6, ("cpu", "load"): 3}
+    gauges = cost.gauges()
+    assert gauges["cost_round_trip_seconds", "redis"] == 1.0
+    assert gauges["cost_recompute_block_seconds", "engine"] == pytest.approx(0.001)
+
+
+def test_always_loads_whatever_the_estimates() -> None:
+    cost = model("always")
+    cost.observe_step(TOKENS * 2, 0.002)
+    cost.observe_round_trip("redis", 10.0)
+    assert cost.worth_loading("redis", 1)
+    assert cost.wait_budget_s("redis", 1) == math.inf
+    assert not cost.lookup_too_slow("redis", 1)
+
+
+def test_a_lookup_is_waited_for_no_longer_than_it_could_save() -> None:
+    cost = model()
+    cost.observe_step(TOKENS * 10, 1.0)  # 0.1 s per block
+    cost.observe_round_trip("redis", 0.05)
+    assert cost.wait_budget_s("redis", 4) == pytest.approx(0.4 - 0.05)
+    assert not cost.lookup_too_slow("redis", 4)
+    cost.observe_round_trip("redis", 50.0)  # one very slow answer moves the average past it
+    assert cost.lookup_too_slow("redis", 4)
+
+
+def test_samples_that_cannot_be_times_are_ignored() -> None:
+    cost = model()
+    cost.observe_round_trip("redis", -1.0)
+    cost.observe_round_trip("redis", math.nan)
+    cost.observe_step(0, 1.0)
+    cost.observe_step(TOKENS, 1.0)  # a short step: mostly its own overhead, left out
+    cost.observe_load("redis", 0, 1.0)
+    assert cost.load_seconds("redis", 1) is None and cost.recompute_seconds(1) is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"mode": "sometimes"}, "load_decision='sometimes'; allowed: measured, always"),
+        ({"smoothing": 0}, "smoothing=0; a number in \\(0, 1\\]"),
+        ({"smoothing": "fast"}, "smoothing='fast'; a number in \\(0, 1\\]"),
+        ({"unmeasured_wait_s": -1}, "unmeasured_wait_s=-1; a finite number of seconds >= 0"),
+    ],
+)
+def test_bad_settings_name_the_value_and_what_is_allowed(
+    fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        CostConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_a_load_may_take_about_a_recompute_before_it_is_given_up() -> None:
+    cost = model()
+    assert cost.load_deadline_s("redis", 10) is None  # nothing measured: no deadline
+    cost.observe_step(TOKENS * 10, 1.0)  # 0.1 s a block
+    assert cost.load_deadline_s("redis", 10) == pytest.approx(1.0)
+    assert cost.load_deadline_s("redis", 0) == MIN_DEADLINE_S  # never below the floor
+    cost.observe_round_trip("redis", 3.0)  # a load estimated slower: twice its estimate
+    assert cost.load_deadline_s("redis", 10) == pytest.approx(6.0)
+    assert model("always").load_deadline_s("redis", 10) is None

