@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvtier.connector.cost_model import MIN_DEADLINE_S, CostConfig, CostModel
+from kvtier.connector.cost_model import MIN_DEADLINE_S, PROBE_EVERY, CostConfig, CostModel
 
 TOKENS = 32  # per block
 
@@ -114,6 +114,26 @@ def test_a_load_may_take_about_a_recompute_before_it_is_given_up() -> None:
     cost.observe_step(TOKENS * 10, 1.0)  # 0.1 s a block
     assert cost.load_deadline_s("redis", 10) == pytest.approx(1.0)
     assert cost.load_deadline_s("redis", 0) == MIN_DEADLINE_S  # never below the floor
-    cost.observe_round_trip("redis", 3.0)  # a load estimated slower: twice its estimate
-    assert cost.load_deadline_s("redis", 10) == pytest.approx(6.0)
+    cost.observe_round_trip("redis", 0.8)  # a load estimated close: twice its estimate
+    assert cost.load_deadline_s("redis", 10) == pytest.approx(1.6)
+    cost.observe_round_trip("redis", 30.0)  # slower than the recompute: only a probe
+    assert cost.load_deadline_s("redis", 10) == pytest.approx(1.0)  # loads it; no longer
     assert model("always").load_deadline_s("redis", 10) is None
+
+
+def test_a_tier_recomputed_around_is_loaded_once_in_a_while_to_measure_it_again() -> None:
+    cost = model()
+    cost.observe_step(TOKENS * 10, 0.01)  # 1 ms per block
+    cost.observe_load("disk", 10, 1.0)  # 100 ms per block: recompute
+    decisions = [cost.decide("disk", 2) for _ in range(2 * PROBE_EVERY)]
+    assert [i for i, load in enumerate(decisions) if load] == [
+        PROBE_EVERY - 1,
+        2 * PROBE_EVERY - 1,
+    ]
+    assert cost.decisions == {
+        ("disk", "load"): 4,
+        ("disk", "recompute"): 4 * PROBE_EVERY - 4,
+    }
+    for _ in range(30):
+        cost.observe_load("disk", 10, 0.001)  # the probes' loads: the disk recovered
+    assert cost.decide("disk", 2)

@@ -210,7 +210,8 @@ def test_a_load_from_a_stalled_redis_is_given_up_at_its_deadline(
         assert (result.job_id, result.success) == (5, True)  # done: as a failed load
         assert reader.worker.take_load_errors() == {8, 9}  # vLLM recomputes them
         report = reader.worker.take_report()
-        assert report.expired_loads == 2 and report.failed_loads == [[k[:-4] for k in keys]]
+        assert report.expired_loads == {"redis": 2}
+        assert report.failed_loads == [[k[:-4] for k in keys]]
         reader.manager.apply_worker_report(report)
         reader.manager.complete_load(set(keys), ctx)
     finally:

@@ -25,6 +25,12 @@ Until a tier or the engine has been measured at all, hits are loaded (what kvtie
 before): the first load and the first computed prompt give the estimates. `mode="always"`
 keeps loading every hit (the setting the crossover table measures against).
 
+A tier whose loads are declined is no longer measured by them, so a disk that was slow
+for a while would be recomputed around for ever: every PROBE_EVERY-th run declined is
+loaded anyway (`probe`), and its load refreshes the estimate. A probe costs at most a
+recompute more than recomputing: a load predicted slower than a recompute is given up at
+the recompute's time (`load_deadline_s`).
+
 Bookkeeping only: no vLLM, no clock of its own (callers pass seconds in).
 """
 
@@ -41,6 +47,8 @@ MIN_STEP_BLOCKS = 2
 # (0.25 s) fails anyway, and a busy machine's load of a few blocks may take tens of ms
 MIN_DEADLINE_S = 0.25
 Mode = Literal["measured", "always"]
+# every this many runs of a tier declined, one is loaded to measure the tier again
+PROBE_EVERY = 32
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,7 @@ class CostModel:
         self.token_seconds = MovingAverage(config.smoothing)  # recompute, per token
         # (tier, "load" | "recompute") -> blocks decided that way
         self.decisions: Counter[tuple[str, str]] = Counter()
+        self._declined_runs: Counter[str] = Counter()  # since the tier's last probe
 
     def tier(self, name: str) -> TierCost:
         cost = self.tiers.get(name)
@@ -157,10 +166,20 @@ class CostModel:
         return load < recompute
 
     def decide(self, tier: str, num_blocks: int) -> bool:
-        """`worth_loading`, counted (per tier, in blocks) for `/metrics`."""
-        load = self.worth_loading(tier, num_blocks)
+        """`worth_loading` or a `probe`, counted (per tier, in blocks) for `/metrics`."""
+        load = self.worth_loading(tier, num_blocks) or self.probe(tier)
         self.decisions[tier, "load" if load else "recompute"] += num_blocks
         return load
+
+    def probe(self, tier: str) -> bool:
+        """Called for a run of `tier` that is not worth loading: true for every
+        PROBE_EVERY-th such run, which is loaded to measure the tier again (see the
+        module docstring)."""
+        self._declined_runs[tier] += 1
+        if self._declined_runs[tier] < PROBE_EVERY:
+            return False
+        self._declined_runs[tier] = 0
+        return True
 
     def wait_budget_s(self, tier: str, num_blocks: int) -> float:
         """The longest a request should wait for `tier`'s lookup of `num_blocks`: what the
@@ -178,12 +197,15 @@ class CostModel:
         """How long a load of `num_blocks` from `tier` may take before it is given up and
         the blocks recomputed: about what recomputing them costs, and never less than
         twice the load's own estimate or MIN_DEADLINE_S (a load offered as faster than a
-        recompute must not be cut short by the noise of either estimate). None before
-        the engine was measured, and with mode "always"."""
+        recompute must not be cut short by the noise of either estimate). A load
+        predicted slower than the recompute (a `probe`) gets the recompute's time (or
+        the floor). None before the engine was measured, and with mode "always"."""
         recompute = self.recompute_seconds(num_blocks)
         if self.config.mode == "always" or recompute is None:
             return None
         load = self.load_seconds(tier, num_blocks) or 0.0
+        if load >= recompute:
+            return max(recompute, MIN_DEADLINE_S)
         return max(recompute, 2 * load, MIN_DEADLINE_S)
 
     def lookup_too_slow(self, tier: str, num_blocks: int) -> bool:

@@ -97,6 +97,9 @@ class CascadeLoadSpec(LoadStoreSpec):
     promotion: BlockIDsLoadStoreSpec | None = None
     promotion_positions: list[int] = field(default_factory=list)
     demotion: Demotion | None = None
+    # a `kv_store.LoadGuard` the worker sets on its own copy where the load has a
+    # deadline (a stalled disk): once given up, nothing of it reaches the engine
+    guard: Any = None
 
     @staticmethod
     def medium() -> str:

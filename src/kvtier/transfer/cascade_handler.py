@@ -15,8 +15,10 @@ disk by any load submitted after it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -30,11 +32,15 @@ from kvtier.store.disk_store import DiskStore
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockLoadError
 from kvtier.transfer.device import DeviceKV
-from kvtier.transfer.handlers import HostSlotHandler, StagedHandler
+from kvtier.transfer.handlers import Guard, HostSlotHandler, StagedHandler
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
 
 log = logging.getLogger(__name__)
+
+
+def _holding(guard: Guard | None, what: str) -> AbstractContextManager[None]:
+    return contextlib.nullcontext() if guard is None else guard.copying(what)
 
 
 class CascadeHandler:
@@ -105,18 +111,28 @@ class CascadeHandler:
         if not isinstance(spec, CascadeLoadSpec):
             raise TypeError(f"cascade load job needs a CascadeLoadSpec, got {spec!r}")
         self._demote(spec.demotion)
+        # a load with a deadline (`spec.guard`): every copy into the engine's blocks, and
+        # the promotion out of them, runs under the guard, so a load given up while a
+        # disk read hangs leaves the blocks (being recomputed) and the CPU slots alone
+        guard: Guard | None = spec.guard
         moved = 0
         if spec.cpu is not None:
-            moved += self._host.load(spec.cpu, device_ids[spec.cpu_positions], ready)
+            with _holding(guard, "a cascade load's CPU blocks"):
+                moved += self._host.load(spec.cpu, device_ids[spec.cpu_positions], ready)
         if spec.disk is not None:
-            moved += self._load_disk(spec, device_ids, ready)
+            moved += self._load_disk(spec, device_ids, ready, guard)
         if spec.promotion is not None:
             promoted = device_ids[spec.promotion_positions]
-            moved += self._host.store(promoted, spec.promotion, None)
+            with _holding(guard, "a cascade load's promotion"):
+                moved += self._host.store(promoted, spec.promotion, None)
         return moved
 
     def _load_disk(
-        self, spec: CascadeLoadSpec, device_ids: npt.NDArray[np.int64], ready: Any
+        self,
+        spec: CascadeLoadSpec,
+        device_ids: npt.NDArray[np.int64],
+        ready: Any,
+        guard: Guard | None,
     ) -> int:
         """Disk blocks; those still being demoted come from their old CPU slot."""
         if not isinstance(spec.disk, DiskLoadStoreSpec):
@@ -126,7 +142,7 @@ class CascadeHandler:
             i for i, p in enumerate(positions) if p in spec.demoting and hashes[i] not in self.disk
         ]
         if not from_slot:
-            return self._staged.load(spec.disk, device_ids[positions], ready)
+            return self._staged.load(spec.disk, device_ids[positions], ready, guard)
         failed = [
             hashes[i].hex()
             for i in from_slot
@@ -137,12 +153,13 @@ class CascadeHandler:
         slot_set = set(from_slot)
         rest = [i for i in range(len(positions)) if i not in slot_set]
         slots = CPULoadStoreSpec([spec.demoting[positions[i]] for i in from_slot])
-        moved = self._host.load(slots, device_ids[[positions[i] for i in from_slot]], ready)
+        with _holding(guard, "a cascade load's blocks being demoted"):
+            moved = self._host.load(slots, device_ids[[positions[i] for i in from_slot]], ready)
         if rest:
             sub = DiskLoadStoreSpec(
                 [hashes[i] for i in rest], [spec.disk.block_ids[i] for i in rest]
             )
-            moved += self._staged.load(sub, device_ids[[positions[i] for i in rest]], ready)
+            moved += self._staged.load(sub, device_ids[[positions[i] for i in rest]], ready, guard)
         return moved
 
     def _demote(self, demotion: Demotion | None) -> None:

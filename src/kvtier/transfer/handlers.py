@@ -19,6 +19,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import numpy as np
@@ -55,6 +56,13 @@ class TransferHandler(Protocol):
     def load(
         self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64], ready: Any = None
     ) -> int: ...
+
+
+class Guard(Protocol):
+    """A load that may be given up (`kv_store.LoadGuard`): `copying` holds off the
+    giving up while a copy into the engine runs, and raises if it came first."""
+
+    def copying(self, what: str) -> AbstractContextManager[None]: ...
 
 
 class Streams:
@@ -278,20 +286,27 @@ class StagedHandler:
         return moved
 
     def load(
-        self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64], ready: Any = None
+        self,
+        spec: LoadStoreSpec,
+        device_ids: npt.NDArray[np.int64],
+        ready: Any = None,
+        guard: Guard | None = None,
     ) -> int:
+        """`guard` (default `spec.guard`): the load may be given up at its deadline (see
+        `kv_store.LoadGuard`); once given up, not one byte may reach the engine's blocks,
+        which are being recomputed. So a guarded load never reads straight into them: it
+        reads into the staging rows, and the copy into the engine runs under the guard."""
         moved = len(device_ids) * self.kv.layout.bytes_per_block
-        if self._rows:
+        if guard is None:
+            guard = getattr(spec, "guard", None)
+        if self._rows and guard is None:
             self.medium.read_blocks(spec, self._row_views(device_ids))
             return moved
-        if self._segmented:
+        if self._segmented and guard is None:
             self.medium.read_segments(spec, self._segment_views(device_ids))  # type: ignore[attr-defined]
             return moved
         staging = self._stage("load", len(device_ids))
         self.medium.read_blocks(spec, staging.rows[: len(device_ids)])
-        # a load given up at its deadline (`spec.guard`, see `kv_store.LoadGuard`) must not
-        # reach the engine's blocks once given up: the copy into them runs under the guard
-        guard = getattr(spec, "guard", None)
         with contextlib.nullcontext() if guard is None else guard.copying("the staged load"):
             self._streams.run(
                 self._streams.load, ready, lambda: self._from_staging(staging, device_ids)

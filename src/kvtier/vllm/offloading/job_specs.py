@@ -16,6 +16,7 @@ the report in its worker metadata.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import LoadStoreSpec
@@ -79,7 +80,8 @@ class WorkerReport:
     steps: list[tuple[int, float]] = field(default_factory=list)
     # store parts shed because their tier's store queue was full, by tier (LOCAL, REMOTE)
     shed_stores: dict[str, list[BlockHash]] = field(default_factory=dict)
-    expired_loads: int = 0  # blocks of Redis loads given up at their deadline
+    # blocks of loads given up at their deadline, by the tier timed (cpu, disk, redis)
+    expired_loads: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         """Whether anything failed."""
@@ -110,7 +112,7 @@ class WorkerReport:
             self.loads + other.loads,
             self.steps + other.steps,
             _merged(self.shed_stores, other.shed_stores),
-            self.expired_loads + other.expired_loads,
+            dict(Counter(self.expired_loads) + Counter(other.expired_loads)),
         )
 
 

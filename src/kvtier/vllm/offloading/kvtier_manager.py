@@ -114,6 +114,16 @@ class _RequestUse:
     loaded: list[BlockHash] = field(default_factory=list)
 
 
+@dataclass
+class _DiskRun:
+    """A request's load-or-recompute decision for the blocks only the disk tier holds,
+    made at the first of them (see `KvtierOffloadingManager._disk_answer`), and the
+    blocks already counted (vLLM may ask the prompt again on a later step)."""
+
+    load: bool | None = None
+    counted: set[BlockHash] = field(default_factory=set)
+
+
 def _use_of(req_context: ReqContext) -> _RequestUse:
     use: _RequestUse | None = req_context.get_state(_RequestUse)
     if use is None:
@@ -202,6 +212,9 @@ class KvtierOffloadingManager(OffloadingManager):
         else:
             tiers = {"cpu": block_status_core(local)}
         self._local_label = "disk" if "disk" in tiers else "cpu"
+        # the CPU tier's block status under a disk tier: a local hit not ready there is
+        # the disk's, decided by the cost model (None: no disk tier)
+        self._cpu_core = tiers["cpu"] if "disk" in tiers else None
         self.cost = cost
         self.clock = clock
         self.tier_stats = TierStats(
@@ -234,16 +247,20 @@ class KvtierOffloadingManager(OffloadingManager):
             block_hash = key[:-4]
         else:
             block_hash = block_hash_of(key)  # raises, naming the group
-        if self.remote is None:  # the hot path: one tier, nothing to remember
+        if self.remote is None and self._cpu_core is None:  # the hot path: the CPU tier
             return _HIT if self._local_hit(block_hash) else _MISS
+        if self.remote is None:
+            if not self._local_hit(block_hash):
+                return _MISS
+            return _HIT if self._disk_answer(block_hash, req_context) else _MISS
         if self._runs is not None:
             plan = plan_of(req_context)
             pos = plan.position(block_hash)
             if self._local_hit(block_hash):
-                return self._hit(block_hash, LOCAL)
+                return self._local_answer(block_hash, req_context)
             return self._runs.lookup(block_hash, plan, pos)
         if self._local_hit(block_hash):
-            return self._hit(block_hash, LOCAL)
+            return self._local_answer(block_hash, req_context)
         if self._found.get(block_hash) == REMOTE:
             found: int | None = 1
         else:
@@ -255,6 +272,35 @@ class KvtierOffloadingManager(OffloadingManager):
             return LookupResult.MISS
         self.tier_stats.add("hit_blocks", "redis", 1)
         return self._hit(block_hash, REMOTE)
+
+    def _local_answer(self, block_hash: BlockHash, req_context: ReqContext) -> LookupResult:
+        if self._disk_answer(block_hash, req_context):
+            return self._hit(block_hash, LOCAL)
+        return _MISS
+
+    def _disk_answer(self, block_hash: BlockHash, req_context: ReqContext) -> bool:
+        """Whether a local hit is offered: always from the CPU tier; from the disk only
+        where loading beats recomputing (`cost_model`). The disk has no round trip to
+        amortise, so its cost per block decides alone: one decision per request, at its
+        first block only the disk holds, stands for the rest of its disk blocks (a
+        decline is a miss, where vLLM's prefix ends). A block being stored to the CPU
+        tier (not ready there) is the disk's."""
+        core, cost = self._cpu_core, self.cost
+        if core is None or cost is None:
+            return True
+        block = core.get_block(block_hash)
+        if block is not None and block.ref_cnt >= 0:
+            return True
+        run: _DiskRun | None = req_context.get_state(_DiskRun)
+        if run is None:
+            run = _DiskRun()
+            req_context.set_state(run)
+        if run.load is None:
+            run.load = cost.worth_loading("disk", 1) or cost.probe("disk")
+        if block_hash not in run.counted:
+            run.counted.add(block_hash)
+            cost.decisions["disk", "load" if run.load else "recompute"] += 1
+        return run.load
 
     def step_seconds(self, steps: list[tuple[int, float]]) -> None:
         """Engine steps the workers timed: (tokens computed, seconds)."""
@@ -312,12 +358,21 @@ class KvtierOffloadingManager(OffloadingManager):
         return spec
 
     def _load_deadline(self, parts: list[Part]) -> float | None:
-        """How long the Redis part may take before the worker gives it up (see
-        `CostModel.load_deadline_s`; None: no deadline)."""
-        remote = next((p for p in parts if p.tier == REMOTE), None)
-        if remote is None or self.cost is None:
+        """How long the load may take before the worker gives it up (see
+        `CostModel.load_deadline_s`; None: no deadline): by its slowest tier's estimate
+        and all its blocks' recompute. A load from the CPU tier alone has one too: its
+        copies queue behind the disk's in the cascade's one worker."""
+        if self.cost is None or not parts:
             return None
-        return self.cost.load_deadline_s("redis", len(remote.block_hashes))
+        if self._cpu_core is None and all(p.tier == LOCAL for p in parts):
+            return None  # the CPU tier alone: its copies wait on nothing
+        tier = "cpu"
+        for part in parts:
+            if part.tier == REMOTE:
+                tier = "redis"
+            elif isinstance(part.spec, CascadeLoadSpec) and part.spec.disk_positions:
+                tier = "disk" if tier == "cpu" else tier
+        return self.cost.load_deadline_s(tier, sum(len(p.block_hashes) for p in parts))
 
     def _plan_promotion(self, parts: list[Part]) -> Part | None:
         """Local slots for what Redis serves, taken by the chain (a refused or full local
@@ -449,7 +504,8 @@ class KvtierOffloadingManager(OffloadingManager):
         add("store_failures", "disk", len(report.lost_demotions))
         for name, hashes in report.shed_stores.items():
             add("shed_blocks", "redis" if name == REMOTE else self._local_label, len(hashes))
-        add("load_expired_blocks", "redis", report.expired_loads)
+        for tier, blocks in report.expired_loads.items():
+            add("load_expired_blocks", tier, blocks)
         if self.cost is not None:
             for tier, blocks, seconds in report.loads:
                 self.cost.observe_load(tier, blocks, seconds)

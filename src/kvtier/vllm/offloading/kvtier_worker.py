@@ -79,6 +79,16 @@ def _slots_of(part: Part) -> list[tuple[int, BlockHash]]:
     return [(slot, hashes[p]) for slot, p in zip(slots.tolist(), positions, strict=True)]
 
 
+def _timed_blocks(part: Part) -> int:
+    """The blocks a load part's time is the transfer of: a cascade load that reads the
+    disk is timed as the disk's (`_medium_of`), and its CPU blocks cost next to nothing
+    beside a file read, so the disk's estimate is per block read from disk."""
+    spec = part.spec
+    if isinstance(spec, CascadeLoadSpec) and spec.disk_positions:
+        return len(spec.disk_positions)
+    return len(part.block_hashes)
+
+
 def _medium_of(part: Part) -> str:
     """The tier a part's transfer is timed under: a cascade job that touches the disk
     (a read, a write-through, a demotion) is the disk's, its time being the disk's."""
@@ -217,8 +227,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         deadline_s = getattr(spec, "deadline_s", None)
         if is_load and deadline_s is not None and self.report_failures:
             job.deadline = self.clock() + deadline_s
-            for part in parts:
-                if isinstance(part.spec, RemoteLoadStoreSpec):  # this process's copy
+            for part in parts:  # this process's copy of the spec
+                if isinstance(part.spec, RemoteLoadStoreSpec | CascadeLoadSpec):
                     part.spec.guard = LoadGuard()
         # (vLLM's own connector has no way to hear of a shed store: it sheds none)
         if not is_load and self.report_failures:
@@ -278,8 +288,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         return results
 
     def _expire_loads(self) -> None:
-        """Give up the Redis parts of loads past their deadline: their blocks are reported
-        failed (vLLM recomputes them) and not one byte of a late answer reaches them."""
+        """Give up the parts of loads past their deadline (a Redis that stopped answering,
+        a disk read that hangs, or CPU copies queued behind one in the cascade's worker):
+        their blocks are reported failed (vLLM recomputes them) and not one byte of a
+        late answer reaches them (the parts' guards)."""
         now = self.clock()
         with self._lock:
             expired = [
@@ -287,19 +299,20 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 for job in self._jobs.values()
                 if job.deadline is not None and now > job.deadline
                 for sub, part in job.waiting.items()
-                if part.tier == REMOTE and part is not job.promotion
+                if part is not job.promotion and getattr(part.spec, "guard", None) is not None
             ]
         for sub, part in expired:
-            guard: LoadGuard | None = getattr(part.spec, "guard", None)
-            if guard is not None:
-                guard.abandon()
+            part.spec.guard.abandon()  # type: ignore[attr-defined]
+            tier = _medium_of(part)
             with self._lock:
-                self._report.expired_loads += len(part.block_hashes)
+                expired_blocks = self._report.expired_loads
+                expired_blocks[tier] = expired_blocks.get(tier, 0) + len(part.block_hashes)
             log.warning(
-                "kvtier: a Redis load of %d blocks passed its deadline; vLLM recomputes them",
+                "kvtier: a %s load of %d blocks passed its deadline; vLLM recomputes them",
+                tier,
                 len(part.block_hashes),
             )
-            self._settle(REMOTE, sub, False, 0)
+            self._settle(part.tier, sub, False, 0)
 
     def _poll(self) -> None:
         for tier, worker in list(self.workers.items()):
@@ -339,7 +352,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             timed = f"{_medium_of(part)}:{direction}"
             self._report.seconds[timed] = self._report.seconds.get(timed, 0.0) + seconds
             if ok and direction == "load":
-                self._report.loads.append((_medium_of(part), len(part.block_hashes), seconds))
+                self._report.loads.append((_medium_of(part), _timed_blocks(part), seconds))
             loaded_remote = job.is_load and tier == REMOTE
             if not ok:  # the slots it wrote (a store, a promotion) hold nothing to flush
                 self._forget_slots(part)

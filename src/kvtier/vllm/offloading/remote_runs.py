@@ -105,7 +105,8 @@ class RemoteRuns:
             return self._answer(block_hash, bool(found))
         ahead, pending = self._known_run(plan, pos)
         self.tier_stats.pull_lookup_seconds()  # the round trips so far, for the estimate
-        if ahead and cost.worth_loading("redis", ahead):
+        # (a run declined with every answer in counts toward the tier's next probe)
+        if ahead and (cost.worth_loading("redis", ahead) or (not pending and cost.probe("redis"))):
             plan.start = pos
             cost.decisions["redis", "load"] += 1
             return self._answer(block_hash, True)

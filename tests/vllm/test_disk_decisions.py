@@ -1,0 +1,159 @@
+"""Load or recompute for the disk tier, and a deadline on every load of the cascade, with
+real components: kvtier's scheduler side and worker as `KvtierConnector` builds them,
+over a real disk directory. The recompute cost is given to the model as engine steps
+would give it; a stalled disk is the disk store's I/O hook waiting on an event."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvtier.connector.cost_model import PROBE_EVERY
+from tests.vllm.test_offloading_spec import BLOCK_BYTES, TOKENS, Engine, engines, keys_of
+
+with_engines = engines  # the fixture, under this module's name too
+
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext  # noqa: E402
+
+from kvtier.offload.tier_metrics import METRICS  # noqa: E402
+
+
+def disk_engine(
+    engines: list[Engine], tmp_path: Path, cpu_blocks: int = 2
+) -> tuple[Engine, list[bytes]]:
+    """Six blocks written through to disk, loaded back head first: the disk holds all
+    six, the CPU tier (two blocks by default) the first two (the load promoted them)."""
+    engine = Engine(
+        {
+            "cpu_bytes_to_use": cpu_blocks * BLOCK_BYTES,
+            "disk_path": str(tmp_path),
+            "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
+            "disk_writes": "write_through",
+        }
+    )
+    engines.append(engine)
+    keys = keys_of(6, start=900)
+    engine.compute(list(range(6)), seed=5)
+    engine.store(keys, list(range(6)))
+    errors, _ = engine.load(keys[:2], [10, 11])
+    assert not errors
+    assert in_cpu(engine, keys)[:2] == [True, True]
+    return engine, keys
+
+
+def in_cpu(engine: Engine, keys: list[bytes]) -> list[bool]:
+    cpu = engine.manager.local.cpu
+    return [bool(cpu.lookup([k[:-4]])) for k in keys]
+
+
+def costs(engine: Engine, recompute_s: float, disk_s: float) -> None:
+    """What the engine's steps say a block's recompute costs, and the disk's loads its
+    read (many samples: the moving averages are there)."""
+    cost = engine.manager.cost
+    assert cost is not None
+    for _ in range(60):
+        cost.observe_step(TOKENS * 4, 4 * recompute_s)
+        cost.observe_load("disk", 4, 4 * disk_s)
+
+
+def scan(engine: Engine, keys: list[bytes], req_id: str) -> int:
+    """vLLM's prefix lookup (the disk answers at once: one pass)."""
+    ctx = ReqContext(req_id=req_id)
+    hits = 0
+    for key in keys:
+        if engine.manager.lookup(key, ctx) is not LookupResult.HIT:
+            break
+        hits += 1
+    return hits
+
+
+def decided(engine: Engine, decision: str) -> float:
+    values = (
+        engine.manager.get_stats().data["data"].get(METRICS[f"decided_{decision}_blocks"].name, {})
+    )
+    return float(values.get(("disk",), 0))
+
+
+def test_a_returning_prompt_is_loaded_from_disk_where_it_beats_recompute_and_not_where_not(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    engine, keys = disk_engine(engines, tmp_path)
+    assert in_cpu(engine, keys) == [True, True] + [False] * 4
+    costs(engine, recompute_s=0.5, disk_s=0.001)  # a big model: the disk wins
+    assert scan(engine, keys, "fast-disk") == 6
+    assert decided(engine, "load") == 4  # the four blocks only the disk holds
+
+    costs(engine, recompute_s=0.0001, disk_s=0.05)  # a tiny model, a disk gone slow
+    # the head from the CPU tier; the tail only the slow disk holds is recomputed
+    assert scan(engine, keys, "slow-disk") == 2
+    assert decided(engine, "recompute") == 1  # the run's first block, where vLLM stops
+
+
+def test_a_disk_recomputed_around_is_measured_again_now_and_then(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    engine, keys = disk_engine(engines, tmp_path)
+    costs(engine, recompute_s=0.0001, disk_s=0.05)
+    found = [scan(engine, keys, f"r{i}") for i in range(2 * PROBE_EVERY)]
+    # one request in PROBE_EVERY loads anyway: its load refreshes the disk's estimate
+    assert found.count(6) == 2 and set(found) == {2, 6}
+    assert found.index(6) == PROBE_EVERY - 1
+
+
+def test_a_stalled_disk_costs_its_loads_at_most_their_deadline(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """The disk stops answering in the middle of a load: at the deadline (about what
+    recomputing the blocks costs) the worker reports them failed and vLLM recomputes
+    them; a CPU-tier load queued behind it in the cascade's worker is given up at its own
+    deadline; when the disk answers again, not one byte reaches the engine's blocks, and
+    the disk still holds the blocks (nothing was wrong with them)."""
+    engine, keys = disk_engine(engines, tmp_path, cpu_blocks=4)
+    costs(engine, recompute_s=0.5, disk_s=0.001)
+    manager, worker = engine.manager, engine.worker
+    before = {i: engine.block_bytes(i) for i in range(12, 16)}
+    disk = worker.disk
+    assert disk is not None
+    stalled, release = threading.Event(), threading.Event()
+
+    def hang(kind: str) -> None:
+        if kind == "read":
+            stalled.set()
+            release.wait()
+
+    now = [1000.0]
+    worker.clock = lambda: now[0]
+    disk.io_hook = hang
+    try:
+        disk_ctx, cpu_ctx = ReqContext(req_id="from-disk"), ReqContext(req_id="from-cpu")
+        on_disk = [k for k, cpu in zip(keys, in_cpu(engine, keys), strict=True) if not cpu]
+        for key in keys:
+            assert manager.lookup(key, disk_ctx) is LookupResult.HIT
+        spec = manager.prepare_load(on_disk[:2], disk_ctx)
+        assert spec.deadline_s == pytest.approx(1.0)  # two blocks' recompute
+        worker.submit_load(1, spec, GPULoadStoreSpec([12, 13], [2], [0]))
+        assert stalled.wait(timeout=60)  # the read hangs in the cascade's worker
+        in_cpu_now = [k for k, cpu in zip(keys, in_cpu(engine, keys), strict=True) if cpu]
+        cpu_keys = [k for k in in_cpu_now if k not in on_disk[:2]][:2]  # not promoted ones
+        cpu_spec = manager.prepare_load(cpu_keys, cpu_ctx)
+        assert cpu_spec.deadline_s == pytest.approx(1.0)
+        worker.submit_load(2, cpu_spec, GPULoadStoreSpec([14, 15], [2], [0]))
+        assert worker.get_finished() == []  # both in flight, before their deadlines
+        now[0] += 1.1
+        results = sorted((r.job_id, r.success) for r in worker.get_finished())
+        assert results == [(1, True), (2, True)]  # done, as failed loads
+        assert worker.take_load_errors() == {12, 13, 14, 15}  # vLLM recomputes them
+        report = worker.take_report()
+        assert report.expired_loads == {"disk": 2, "cpu": 2}
+        manager.apply_worker_report(report)
+        manager.complete_load(set(on_disk[:2]), disk_ctx)
+        manager.complete_load(set(cpu_keys), cpu_ctx)
+    finally:
+        release.set()
+    worker.workers["local"].close()  # the late read has come and gone
+    assert {i: engine.block_bytes(i) for i in range(12, 16)} == before
+    stats = manager.get_stats().data["data"]
+    assert stats[METRICS["load_expired_blocks"].name] == {("disk",): 2, ("cpu",): 2}
+    assert scan(engine, keys, "after") == 6  # kept: the disk holds them still
