@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -199,5 +201,50 @@ def test_discards_are_their_own_jobs_run_in_order_with_the_stores(tmp_path: Path
             pytest.raises(TypeError, match="HostSlotHandler holds no blocks to discard"),
         ):
             memory_worker.submit_discard(7, hs(1))
+    finally:
+        engine.close()
+
+
+def test_a_load_of_ready_blocks_goes_ahead_of_the_stores_queued_before_it(tmp_path: Path) -> None:
+    """While a write-through store is on the disk, another store and two loads queue
+    behind it: both loads only read ready blocks (the disk block is served without a
+    promotion: the CPU tier is full of pinned blocks), so both run ahead of the queued
+    store, in their own order. Every byte is right after."""
+    engine = Engine(PER_LAYER, tmp_path, cpu_blocks=3, disk_writes="write_through")
+    try:
+        engine.store(hs(1, 2, 3), [1, 2, 3])  # job 0
+        assert engine.finish() == {"ok": 1, "failed": 0}
+        ran: list[str] = []
+        handler = engine.handler
+        store, load = handler.store, handler.load
+
+        def record_store(*args: Any) -> int:
+            ran.append("store")
+            return store(*args)
+
+        def record_load(spec: Any, *args: Any) -> int:
+            ran.append("cpu load" if spec.cpu_positions else "disk load")
+            return load(spec, *args)
+
+        handler.store, handler.load = record_store, record_load  # type: ignore[method-assign]
+        writing, release = threading.Event(), threading.Event()
+
+        def hang(kind: str) -> None:
+            if kind == "write" and not release.is_set():
+                writing.set()
+                release.wait()
+
+        engine.disk_store.io_hook = hang
+        engine.store(hs(4), [4])  # job 1: evicts block 1 (on disk); its write hangs
+        assert writing.wait(timeout=60)
+        engine.store(hs(5), [5])  # job 2, queued: evicts block 2
+        cpu_target = engine.load(hs(3))  # job 3: a CPU block, ready
+        disk_target = engine.load(hs(1))  # job 4: from disk (no room to promote it)
+        release.set()
+        assert engine.finish() == {"ok": 4, "failed": 0}
+        assert ran == ["store", "cpu load", "disk load", "store"]
+        assert block_bytes(engine.kv, cpu_target[0]) == engine.expected[hs(3)[0]]
+        assert block_bytes(engine.kv, disk_target[0]) == engine.expected[hs(1)[0]]
+        assert engine.cascade.lookup(hs(1, 3, 4, 5)) == 4
     finally:
         engine.close()

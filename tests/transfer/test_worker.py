@@ -369,3 +369,34 @@ def test_a_load_given_up_at_its_deadline_never_reaches_the_engine() -> None:
     assert block_bytes(kv, 3) == before
     assert block_bytes(kv, 2) == block_bytes(kv, 0)
     assert any("given up" in error for _, error in worker.errors)
+
+
+@pytest.mark.parametrize(
+    ("queued", "taken"),
+    [
+        # the first load goes ahead of the stores and discards before it, if it may
+        ("S D L+ S", "L+ S D S"),
+        # a load that may not pass keeps its turn, and the loads keep their order
+        ("S L- L+ S", "S L- L+ S"),
+        ("L- S L+", "L- L+ S"),
+        # the stop marker stays last
+        ("S L+ X", "L+ S X"),
+    ],
+)
+def test_the_ordered_queue_lets_a_load_that_depends_on_nothing_go_first(
+    queued: str, taken: str
+) -> None:
+    from kvtier.transfer.transfer_worker import _STOP, _OrderedJobs
+
+    direction = {"S": "store", "D": "discard", "L": "load"}
+    jobs = _OrderedJobs(16, may_pass=lambda spec: spec.endswith("+"))
+    for name in queued.split():
+        if name == "X":
+            jobs.put(_STOP)
+            continue
+        jobs.put_nowait((direction[name[0]], dataclasses.make_dataclass("J", ["spec"])(name)))
+    out = []
+    for _ in queued.split():
+        item = jobs.get()
+        out.append("X" if item is _STOP else item[1].spec)
+    assert " ".join(out) == taken

@@ -10,7 +10,9 @@ is recorded (`take_lost`) for the scheduler to forget, and the job goes on.
 Jobs must run in submission order across directions (`TransferWorker(...,
 ordered=True)`, which `worker()` builds): a block being demoted is read from its old
 CPU slot by any load submitted before the job that overwrites that slot, and from
-disk by any load submitted after it.
+disk by any load submitted after it. The one exception is a load that only reads ready
+blocks (`load_may_pass`): it goes ahead of queued stores, so a CPU hit never waits for
+the disk writes queued before it.
 """
 
 from __future__ import annotations
@@ -78,6 +80,21 @@ class CascadeHandler:
     ) -> TransferWorker:
         """An ordered worker (one thread, submission order) for this handler."""
         return TransferWorker(cls(kv, memory, disk), max_queued_jobs=max_queued_jobs, ordered=True)
+
+    @staticmethod
+    def load_may_pass(spec: Any) -> bool:
+        """Whether a load may run ahead of the stores and discards queued before it (see
+        `TransferWorker`'s ordered queue): one that only reads blocks ready in their tier
+        depends on none of them (a ready block's CPU slot or file is written by no job in
+        flight, and no discard names it), where a load's demotion or promotion writes
+        slots or files whose earlier jobs must run first, and a block still being demoted
+        is read from a slot that a queued job may be about to overwrite."""
+        return (
+            isinstance(spec, CascadeLoadSpec)
+            and spec.demotion is None
+            and spec.promotion is None
+            and not spec.demoting
+        )
 
     def ready_event(self) -> Any:
         return self.kv.record_compute()

@@ -42,7 +42,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -83,6 +83,66 @@ class _Job(NamedTuple):
     ready: Any
 
 
+class _JobQueue(Protocol):
+    """A direction's queue of jobs: `queue.Queue`, or the ordered worker's `_OrderedJobs`."""
+
+    def put_nowait(self, item: Any) -> None: ...
+    def put(self, item: Any) -> None: ...
+    def get(self) -> Any: ...
+    def get_nowait(self) -> Any: ...
+
+
+class _OrderedJobs:
+    """The ordered worker's one queue (`queue.Queue`'s calls): submission order, except
+    that the first load waiting may go ahead of the stores and discards queued before it
+    when the handler says it does not depend on them (`load_may_pass`). A request waiting
+    on a load then never waits for the disk writes of stores queued before it: the
+    cascade's write-through stores, its demotions. Loads keep their order among
+    themselves, and the stop marker stays last."""
+
+    def __init__(self, maxsize: int, may_pass: Callable[[Any], bool]) -> None:
+        self._items: deque[Any] = deque()
+        self._maxsize = maxsize
+        self._may_pass = may_pass
+        self._ready = threading.Condition()
+
+    def put_nowait(self, item: Any) -> None:
+        with self._ready:
+            if len(self._items) >= self._maxsize:
+                raise queue.Full
+            self._items.append(item)
+            self._ready.notify()
+
+    def put(self, item: Any) -> None:  # the stop marker: never refused
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify()
+
+    def get(self) -> Any:
+        with self._ready:
+            self._ready.wait_for(lambda: bool(self._items))
+            return self._take()
+
+    def get_nowait(self) -> Any:
+        with self._ready:
+            if not self._items:
+                raise queue.Empty
+            return self._take()
+
+    def _take(self) -> Any:
+        items = self._items
+        for i, item in enumerate(items):
+            if item is _STOP:
+                break
+            direction, job = item
+            if direction == LOAD:
+                if i and self._may_pass(job.spec):
+                    del items[i]
+                    return item
+                break
+        return items.popleft()
+
+
 class TransferWorker:
     """Threads and ordering around a `TransferHandler`; see the module docstring."""
 
@@ -115,8 +175,14 @@ class TransferWorker:
         self._done: dict[int, TransferResult] = {}
         self._finished: list[TransferResult] = []
         self.errors: deque[tuple[int, str]] = deque(maxlen=256)
-        shared: queue.Queue[Any] = queue.Queue(maxsize=max_queued_jobs)
-        self._queues: dict[str, queue.Queue[Any]] = {
+        # the ordered worker's queue: loads that depend on nothing queued go first
+        may_pass: Callable[[Any], bool] | None = getattr(handler, "load_may_pass", None)
+        shared: _JobQueue = (
+            _OrderedJobs(max_queued_jobs, may_pass)
+            if ordered and may_pass is not None
+            else queue.Queue(maxsize=max_queued_jobs)
+        )
+        self._queues: dict[str, _JobQueue] = {
             d: shared if ordered else queue.Queue(maxsize=max_queued_jobs) for d in (STORE, LOAD)
         }
         served = [shared] if ordered else list(self._queues.values())
@@ -242,7 +308,7 @@ class TransferWorker:
 
     # worker threads
 
-    def _serve(self, jobs: queue.Queue[Any]) -> None:
+    def _serve(self, jobs: _JobQueue) -> None:
         if self._torch_threads is not None:
             limit_torch_threads(self._torch_threads)
         item = jobs.get()
@@ -260,9 +326,7 @@ class TransferWorker:
             if item is None:
                 item = jobs.get()
 
-    def _take_queued(
-        self, jobs: queue.Queue[Any], direction: str, job: _Job
-    ) -> tuple[list[_Job], Any]:
+    def _take_queued(self, jobs: _JobQueue, direction: str, job: _Job) -> tuple[list[_Job], Any]:
         """`job` and the jobs of the same direction queued right behind it (when the
         handler merges), and the next item to serve (None: take one from the queue)."""
         batch = [job]
