@@ -118,3 +118,18 @@ def test_a_model_config_without_its_sizes_is_named(
     argv += ["--model-config", str(tmp_path / "config.json")]
     assert main([*COMMON, *argv]) == 2
     assert "model config has no 'num_hidden_layers'" in capsys.readouterr().err
+
+
+def test_the_configs_store_queue_bound_is_the_replays(capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine's `disk_store_queue_bytes` (its local tier is the cascade) bounds the
+    replay's local store queue, in blocks, unless `--store-queue-blocks` names one."""
+    extra = EXTRA | {"disk_store_queue_bytes": 16 * BYTES_PER_BLOCK}
+    argv = ["--vllm-config", json.dumps(extra), "--kv-bytes-per-block", str(BYTES_PER_BLOCK)]
+    argv += ["--concurrent", "--store-ms-per-block", "local=50"]
+    from_config = _run(capsys, *argv)
+    from_flag = _run(capsys, *argv, "--store-queue-blocks", "local=16")
+    tiers = from_config["tiers"]
+    assert isinstance(tiers, dict) and tiers["disk"]["shed_blocks"] > 0
+    assert from_config == from_flag
+    wider = _run(capsys, *argv, "--store-queue-blocks", "local=100000")
+    assert wider["tiers"]["disk"]["shed_blocks"] == 0  # type: ignore[index]

@@ -113,6 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="overlap requests by arrival time (in-flight loads/stores, waiting for room)",
     )
     rp.add_argument(
+        "--store-ms-per-block",
+        metavar="local=MS,remote=MS",
+        default="",
+        help="with --concurrent: virtual ms each tier member (local: the CPU tier or the "
+        "cascade; remote: Redis) takes to write a block; stores queue behind it",
+    )
+    rp.add_argument(
+        "--store-queue-blocks",
+        metavar="local=N,remote=N",
+        default="",
+        help="with --concurrent: the most blocks a member's store queue holds; a store "
+        "past it is shed, counted as shed_blocks (with --vllm-config: the config's "
+        "*_store_queue_bytes)",
+    )
+    rp.add_argument(
         "--disk-blocks", action=Given, type=_int_at_least(0), default=0, help="disk tier size"
     )
     rp.add_argument(

@@ -109,6 +109,9 @@ def fault_lines(report: ReplayReport) -> list[str]:
             line += f", {_count(lost)} evicted blocks the tier refused (lost)"
         if unschedulable:
             line += f", {_count(unschedulable)} requests too large for the pool"
+        shed = sum(t.shed_blocks for t in r.tiers)
+        if shed:
+            line += f", {_count(shed)} stored blocks shed (a tier behind: not kept)"
         lines.append(line)
         recovery = r.extra.get("disk_recovery")
         if isinstance(recovery, dict):

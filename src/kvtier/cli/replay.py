@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
@@ -12,6 +13,7 @@ from kvtier.cli.checks import ReportError
 from kvtier.cli.render import fault_lines, progress_bars, replay_table, tier_table
 from kvtier.sim.replay_config import ReplayConfig, TimeModel
 from kvtier.sim.session import parse_policies, run_replays
+from kvtier.sim.store_queues import StoreQueueModel
 
 
 def config_from_args(args: argparse.Namespace) -> ReplayConfig:
@@ -28,7 +30,28 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
         data=args.data,
         redis_url=args.redis,
         redis_namespace=args.redis_namespace,
+        store_queues=store_queues_from_args(args),
     )
+
+
+def store_queues_from_args(
+    args: argparse.Namespace, local_blocks: int | None = None, remote_blocks: int | None = None
+) -> StoreQueueModel | None:
+    """The members' store queues the flags ask for (None: no flag, nothing shed); the
+    bounds given here (an engine config's) apply where `--store-queue-blocks` names none."""
+    rates, bounds = args.store_ms_per_block, args.store_queue_blocks
+    if not (rates.strip() or bounds.strip()):
+        return None
+    if not args.concurrent:
+        raise ValueError(
+            "--store-ms-per-block and --store-queue-blocks drain in virtual time: add --concurrent"
+        )
+    model = StoreQueueModel.parse(rates, bounds)
+    if model.local_max_blocks is None and local_blocks is not None:
+        model = replace(model, local_max_blocks=local_blocks)
+    if model.remote_max_blocks is None and remote_blocks is not None:
+        model = replace(model, remote_max_blocks=remote_blocks)
+    return model
 
 
 def run_replay(args: argparse.Namespace) -> dict[str, Any]:

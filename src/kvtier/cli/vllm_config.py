@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvtier.cli.replay import store_queues_from_args
 from kvtier.sim.replay_config import ReplayConfig, TimeModel
 from kvtier.store.layout import KVLayout
 from kvtier.vllm.offloading.extra_config import parse_extra_config
@@ -102,4 +103,9 @@ def replay_config(args: argparse.Namespace, block_size: int) -> ReplayConfig:
         redis_url=tiers.redis_url,
         redis_namespace=args.redis_namespace,
         redis_options=tiers.redis_options() if tiers.has_redis else {},
+        store_queues=store_queues_from_args(
+            args,
+            local_blocks=max(1, tiers.store_queue_bytes(True) // bytes_per_block),
+            remote_blocks=max(1, tiers.store_queue_bytes(False) // bytes_per_block),
+        ),
     )

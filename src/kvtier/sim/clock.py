@@ -59,6 +59,7 @@ class VirtualClock:
         self.seq = itertools.count()
         self.running = 0
         self.waits = Waits()
+        self.now = 0.0  # the virtual time of the moment being run (ms)
 
     def run(self, progress: Progress | None = None) -> Waits:
         for k, i in enumerate(self.step.indexes()):
@@ -76,6 +77,7 @@ class VirtualClock:
     def advance(self, until: float) -> None:
         while self.events and self.events[0][0] <= until:
             now, _, kind, p = heapq.heappop(self.events)
+            self.now = now
             if kind == _PREFILL:  # the load is done, the computed blocks are stored
                 self.step.loaded(p)
                 self.step.computed(p)
@@ -93,6 +95,7 @@ class VirtualClock:
         heapq.heappush(self.events, (when, next(self.seq), kind, p))
 
     def drain(self, now: float) -> None:
+        self.now = now
         while self.waiting:
             p = self.step.admit(self.waiting[0])
             if p is not None:

@@ -57,6 +57,8 @@ class TierCounters:
     # blocks the tier lost to faults (a demotion that never reached the disk, a
     # corrupt file found and forgotten): gone without an eviction
     dropped_blocks: int = 0
+    # blocks of stores shed because the tier's store queue was full (kvtier.sim.store_queues)
+    shed_blocks: int = 0
 
     def freeze(self, block_refs: int) -> TierStats:
         return TierStats(
@@ -81,6 +83,7 @@ class TierStats:
     checksum_failures: int
     errors: int
     dropped_blocks: int
+    shed_blocks: int
     # Blocks this tier served, over all block references of the trace.
     hit_rate: float
 
@@ -150,6 +153,7 @@ _REPLAY_FIELDS = {
     "corrupt_blocks": "checksum_failures",
     "evicted_blocks": "evictions",
     "capacity_blocks": "capacity",
+    "shed_blocks": "shed_blocks",
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from kvtier.connector.scheduler import StoreOn
 from kvtier.connector.tier_config import DiskWrites, check_disk_writes, check_store_threshold
 from kvtier.connector.tier_stack import StackConfig
+from kvtier.sim.store_queues import StoreQueueModel
 from kvtier.sim.workload import Workload
 
 Progress = Callable[[int], None]
@@ -94,6 +95,9 @@ class ReplayConfig:
     # Placeholder bytes written per block without a data plane (Redis memory and
     # traffic then behave as with real blocks of that size).
     remote_payload_bytes: int = 256
+    # Each tier member's store queue (write time per block, bound): a tier that falls
+    # behind sheds stores, as an engine's does (needs time_model); None: never shed.
+    store_queues: StoreQueueModel | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_blocks is not None and self.cpu_frac is not None:
@@ -115,6 +119,11 @@ class ReplayConfig:
         if self.gpu_blocks < 0:
             raise ValueError(f"gpu_blocks must be >= 0, got {self.gpu_blocks}")
         check_store_threshold("store_threshold", self.store_threshold)
+        if self.store_queues is not None and self.time_model is None:
+            raise ValueError(
+                "store_queues drain in the replay's virtual time: they need time_model "
+                "(--concurrent)"
+            )
         check_disk_writes("disk_writes", self.disk_writes)
 
     def cpu_capacity(self, workload: Workload) -> int:

@@ -23,6 +23,7 @@ from kvtier.sim.metrics import ReplayResult, TierCounters
 from kvtier.sim.replay_config import Progress, ReplayConfig
 from kvtier.sim.stack import TierStack, build_stack
 from kvtier.sim.step import ConnectorStep, OffloadStep, Step
+from kvtier.sim.store_queues import StoreQueues
 from kvtier.sim.workload import Workload
 
 if TYPE_CHECKING:
@@ -158,7 +159,10 @@ def _drive(
     if config.time_model is None:
         waits = at_once(step, progress)
     else:
-        waits = VirtualClock(workload, step, config.time_model).run(progress)
+        clock = VirtualClock(workload, step, config.time_model)
+        if config.store_queues is not None and isinstance(step, OffloadStep | ConnectorStep):
+            step.queues = StoreQueues(config.store_queues, lambda: clock.now)
+        waits = clock.run(progress)
     _end(progress, workload)
     if offload_step is not None:
         refused = offload_step.refused

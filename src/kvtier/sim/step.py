@@ -31,7 +31,7 @@ from itertools import compress, filterfalse
 from operator import not_
 from typing import Protocol
 
-from kvtier.connector.chain import TierChain, settle_load
+from kvtier.connector.chain import ChainSpec, TierChain, settle_load
 from kvtier.connector.scheduler import Admission, OffloadConnector, TransferJob
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.request import Request
@@ -39,6 +39,7 @@ from kvtier.sim.bytes_plane import BytesPlane, NoBytes, parts_of, position_tiers
 from kvtier.sim.ledger import Ledger
 from kvtier.sim.metrics import served_tokens
 from kvtier.sim.stack import LOCAL, TierStack
+from kvtier.sim.store_queues import StoreQueues
 from kvtier.sim.workload import Workload
 from kvtier.types import BlockHash
 
@@ -83,6 +84,10 @@ class _Settling:
     def __init__(self, stack: TierStack, plane: BytesPlane, ledger: Ledger) -> None:
         self.stack, self.plane, self.ledger = stack, plane, ledger
         self._lost: set[BlockHash] = set()
+        # the members' store queues, with a clock (`kvtier.sim.store_queues`); None: a
+        # store is never shed
+        self.queues: StoreQueues | None = None
+        self._local_label = "disk" if stack.cascade is not None else "cpu"
         # Without bytes every transfer succeeds and nothing is lost: the calls that
         # would say so are skipped (and the engine's blocks need no ids nor contents).
         self.moves_bytes = not isinstance(plane, NoBytes)
@@ -91,15 +96,30 @@ class _Settling:
         self.ledger.events(self.stack.take_events())
 
     def store(self, spec: LoadStoreSpec, ids: Sequence[int], stored: list[BlockHash]) -> bool:
-        """Run the store; settle a chain's parts one by one. True if every part succeeded."""
+        """Run the store; settle a chain's parts one by one. True if every part succeeded.
+        A part its member's queue sheds completes as a store that did not happen."""
         chain = self.stack.chain
-        if chain is None and not self.moves_bytes:
+        if chain is None and not self.moves_bytes and self.queues is None:
             return True
-        results = self.plane.store(spec, ids, stored)
+        parts = parts_of(spec, stored)
+        oks = [self._admit(name, part) for name, part, _ in parts]
+        if self.moves_bytes and any(oks):  # the bytes of the parts not shed
+            kept = spec
+            if not all(oks):  # (a chain's: only a chain has several parts)
+                kept = ChainSpec([p for p, ok in zip(parts, oks, strict=True) if ok])
+            moved = iter(self.plane.store(kept, ids, stored))
+            oks = [ok and next(moved)[1] for ok in oks]
         if chain is not None:
-            for (name, part, _), (_, ok) in zip(parts_of(spec, stored), results, strict=True):
+            for (name, part, _), ok in zip(parts, oks, strict=True):
                 chain.complete_part(name, part, ok)
-        return all(ok for _, ok in results)
+        return all(oks)
+
+    def _admit(self, member: str, part: list[BlockHash]) -> bool:
+        if self.queues is None or self.queues.admit(member, len(part)):
+            return True
+        tier = self._local_label if member == LOCAL else "remote"
+        self.ledger.tiers[tier].shed_blocks += len(part)
+        return False
 
     def locate(
         self, hashes: list[BlockHash], in_gpu: list[bool] | None = None
