@@ -16,3 +16,19 @@ def whole_number(name: str, value: object, minimum: int) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return positive_int(name, value, minimum)
+
+
+def key_values(text: str, allowed: dict[str, str], where: str = "") -> dict[str, str]:
+    """`"a=1, b=2"` as {key: value text}, for settings given as one string (a flag, an
+    environment variable). `allowed`: each key and what its value is (for the error);
+    an item that is not KEY=VALUE with a key of `allowed` is refused, naming it and what
+    is allowed (`where`, if given, says which setting it came from)."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in allowed:
+            forms = ", ".join(f"{k}={v}" for k, v in allowed.items())
+            raise ValueError(f"{where}{item!r}; allowed: {forms}")
+        out[key] = value.strip()
+    return out

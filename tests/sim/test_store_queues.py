@@ -68,13 +68,14 @@ TestStoreQueues.settings = settings(max_examples=60, stateful_step_count=40, dea
 @pytest.mark.parametrize(
     ("rates", "bounds", "message"),
     [
-        ("gpu=1", "", "'gpu=1'; allowed: local=VALUE, remote=VALUE"),
+        ("gpu=1", "", "'gpu=1'; allowed: local=MS, remote=MS"),
         ("local", "", "'local'; allowed"),
         ("local=fast", "", "local='fast'; milliseconds"),
         ("local=-1", "", "local_ms_per_block=-1.0; a finite number of milliseconds >= 0"),
         ("local=inf", "", "local_ms_per_block=inf; a finite number"),
         ("", "remote=0", "remote_max_blocks=0; a whole number of blocks >= 1"),
         ("", "remote=2.5", "remote='2.5'; a whole number of blocks"),
+        ("", "cpu=4", "'cpu=4'; allowed: local=BLOCKS, remote=BLOCKS"),
     ],
 )
 def test_bad_input_names_the_value_and_what_is_allowed(

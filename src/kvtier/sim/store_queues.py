@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.connector.tier_stack import LOCAL, REMOTE
+from kvtier.validate import key_values
 
 MEMBERS = (LOCAL, REMOTE)
 
@@ -59,17 +60,16 @@ class StoreQueueModel:
         """The CLI's form: `rates` "local=MS,remote=MS", `bounds` "local=N,remote=N"
         (either may be empty; a member left out writes instantly / is unbounded)."""
         fields: dict[str, float | int] = {}
-        for text, suffix, kind in ((rates, "ms_per_block", float), (bounds, "max_blocks", int)):
-            for item in filter(None, (part.strip() for part in text.split(","))):
-                member, sep, value = item.partition("=")
-                member = member.strip()
-                if not sep or member not in MEMBERS:
-                    raise ValueError(f"{item!r}; allowed: local=VALUE, remote=VALUE")
+        for text, suffix, kind, what in (
+            (rates, "ms_per_block", float, "MS"),
+            (bounds, "max_blocks", int, "BLOCKS"),
+        ):
+            for member, value in key_values(text, dict.fromkeys(MEMBERS, what)).items():
                 try:
                     fields[f"{member}_{suffix}"] = kind(value)
                 except ValueError:
                     what = "milliseconds" if kind is float else "a whole number of blocks"
-                    raise ValueError(f"{member}={value.strip()!r}; {what}") from None
+                    raise ValueError(f"{member}={value!r}; {what}") from None
         return cls(**fields)  # type: ignore[arg-type]
 
     def sheds(self) -> bool:

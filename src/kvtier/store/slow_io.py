@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.validate import key_values
+
 ENV = "KVTIER_DISK_IO_DELAY"
 KINDS = ("read", "write")
 IOHook = Callable[[str], None]
@@ -46,16 +48,13 @@ class SlowIO:
     def parse(cls, text: str) -> SlowIO:
         """`"read=0.05,write=0.01"` (the environment variable's form)."""
         seconds: dict[str, float] = {}
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            key, sep, value = item.partition("=")
-            key = key.strip()
-            if not sep or key not in KINDS:
-                raise ValueError(f"{ENV}: {item!r}; allowed: read=SECONDS, write=SECONDS")
+        given = key_values(text, dict.fromkeys(KINDS, "SECONDS"), f"{ENV}: ")
+        for key, value in given.items():
             try:
                 seconds[f"{key}_s"] = float(value)
             except ValueError:
                 allowed = "a number of seconds >= 0"
-                raise ValueError(f"{ENV}: {key}={value.strip()!r}; {allowed}") from None
+                raise ValueError(f"{ENV}: {key}={value!r}; {allowed}") from None
         return cls(**seconds)
 
     def hook(self) -> IOHook | None:
