@@ -147,6 +147,8 @@ def test_a_stalled_disk_costs_its_loads_at_most_their_deadline(
         assert worker.take_load_errors() == {12, 13, 14, 15}  # vLLM recomputes them
         report = worker.take_report()
         assert report.expired_loads == {"disk": 2, "cpu": 2}
+        # what each took at least (its deadline) teaches the estimates
+        assert sorted(report.loads) == [("cpu", 2, 1.0), ("disk", 2, 1.0)]
         manager.apply_worker_report(report)
         manager.complete_load(set(on_disk[:2]), disk_ctx)
         manager.complete_load(set(cpu_keys), cpu_ctx)

@@ -113,7 +113,8 @@ class _Job:
     ok: bool = True
     bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
-    deadline: float | None = None  # on the worker's clock: when the Redis part is given up
+    deadline: float | None = None  # on the worker's clock: when its load parts are given up
+    deadline_s: float = 0.0  # how long that was from its submission
 
 
 class KvtierOffloadingWorker(OffloadingWorker):
@@ -226,7 +227,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             parts = [part for part in parts if part.tier != REMOTE]
         deadline_s = getattr(spec, "deadline_s", None)
         if is_load and deadline_s is not None and self.report_failures:
-            job.deadline = self.clock() + deadline_s
+            job.deadline, job.deadline_s = self.clock() + deadline_s, deadline_s
             for part in parts:  # this process's copy of the spec
                 if isinstance(part.spec, RemoteLoadStoreSpec | CascadeLoadSpec):
                     part.spec.guard = LoadGuard()
@@ -295,18 +296,21 @@ class KvtierOffloadingWorker(OffloadingWorker):
         now = self.clock()
         with self._lock:
             expired = [
-                (sub, part)
+                (sub, part, job.deadline_s)
                 for job in self._jobs.values()
                 if job.deadline is not None and now > job.deadline
                 for sub, part in job.waiting.items()
                 if part is not job.promotion and getattr(part.spec, "guard", None) is not None
             ]
-        for sub, part in expired:
+        for sub, part, waited in expired:
             part.spec.guard.abandon()  # type: ignore[attr-defined]
             tier = _medium_of(part)
             with self._lock:
                 expired_blocks = self._report.expired_loads
                 expired_blocks[tier] = expired_blocks.get(tier, 0) + len(part.block_hashes)
+                # what the load took at least: the estimate learns that the tier is slow
+                # (else a tier never measured would be loaded, and given up, every time)
+                self._report.loads.append((tier, _timed_blocks(part), waited))
             log.warning(
                 "kvtier: a %s load of %d blocks passed its deadline; vLLM recomputes them",
                 tier,
