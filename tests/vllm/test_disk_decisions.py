@@ -159,3 +159,7 @@ def test_a_stalled_disk_costs_its_loads_at_most_their_deadline(
     stats = manager.get_stats().data["data"]
     assert stats[METRICS["load_expired_blocks"].name] == {("disk",): 2, ("cpu",): 2}
     assert scan(engine, keys, "after") == 6  # kept: the disk holds them still
+    # vLLM reschedules a request whose load failed and asks again: its blocks then miss
+    # (offered again, a hung disk would fail the same load for ever)
+    assert manager.lookup(on_disk[0], disk_ctx) is LookupResult.MISS
+    assert manager.lookup(cpu_keys[0], cpu_ctx) is LookupResult.MISS

@@ -220,3 +220,5 @@ def test_a_load_from_a_stalled_redis_is_given_up_at_its_deadline(
     assert reader.block_bytes(8) == reader.block_bytes(9) == bytes(BLOCK_BYTES)
     stats = reader.manager.get_stats().data["data"]
     assert stats[METRICS["load_expired_blocks"].name] == {("redis",): 2}
+    # the request, rescheduled by vLLM, asks again: its failed blocks now miss
+    assert reader.manager.lookup(keys[0], ctx) is LookupResult.MISS

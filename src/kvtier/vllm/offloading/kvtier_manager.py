@@ -112,6 +112,10 @@ class _RequestUse:
     same order, so the replay predicts the engine."""
 
     loaded: list[BlockHash] = field(default_factory=list)
+    # blocks whose load for this request failed (a deadline, a corrupt block): vLLM
+    # reschedules the request and asks again, and they must then miss, or a tier that
+    # keeps failing the load (a hung disk, a stalled Redis) would be offered for ever
+    failed: set[BlockHash] = field(default_factory=set)
 
 
 @dataclass
@@ -249,6 +253,9 @@ class KvtierOffloadingManager(OffloadingManager):
             block_hash = block_hash_of(key)  # raises, naming the group
         if self.remote is None and self._cpu_core is None:  # the hot path: the CPU tier
             return _HIT if self._local_hit(block_hash) else _MISS
+        use: _RequestUse | None = req_context.get_state(_RequestUse)
+        if use is not None and block_hash in use.failed:
+            return _MISS  # its load failed for this request: recomputed
         if self.remote is None:
             if not self._local_hit(block_hash):
                 return _MISS
@@ -414,6 +421,8 @@ class KvtierOffloadingManager(OffloadingManager):
         for name, part in parts:
             failed = not self._failed_loads.isdisjoint(part)
             self._failed_loads.difference_update(part)
+            if failed:
+                _use_of(req_context).failed.update(part)
             remote_ok &= name != REMOTE or not failed
             tier = self._tier(name)
             if isinstance(tier, CascadeOffloadingManager):  # its promotions settle with it
