@@ -61,6 +61,11 @@ class BlockCodec:
     def for_fingerprint(cls, fingerprint: str | bytes) -> BlockCodec:
         return cls(fingerprint_digest(fingerprint))
 
+    @property
+    def header_size(self) -> int:
+        """Bytes before the payload in every value of this codec."""
+        return HEADER_SIZE
+
     def header(self, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:
         """The 48-byte header for `payload` stored under `block_hash`."""
         return _HEADER.pack(
@@ -85,12 +90,13 @@ class BlockCodec:
         Why: a fresh multi-MiB value per block costs page faults that dwarf the
         copy itself; a warm buffer makes the envelope nearly free.
         """
-        size = HEADER_SIZE + len(payload)
+        header_size = self.header_size
+        size = header_size + len(payload)
         if len(buffer) < size:
             raise ValueError(f"buffer of {len(buffer)} bytes cannot hold {size}")
         view = memoryview(buffer)[:size]
-        view[:HEADER_SIZE] = self.header(block_hash, payload)
-        view[HEADER_SIZE:] = payload
+        view[:header_size] = self.header(block_hash, payload)
+        view[header_size:] = payload
         return view
 
     def expected_prefix(self, block_hash: bytes) -> bytes:
