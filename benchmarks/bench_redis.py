@@ -42,7 +42,8 @@ import redis
 from benchmarks.common import write_result
 from kvtier.remote.codec import HEADER_SIZE
 from kvtier.remote.head_codec import HeadGroup, header_size
-from kvtier.remote.head_keys import HeadKeyedStore, HeadShard
+from kvtier.remote.head_keys import HeadKeyedStore
+from kvtier.remote.head_shard import HeadShard
 from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.remote.tier import RemoteTier
 from kvtier.store.layout import KVLayout

@@ -14,7 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from kvtier.remote.codec import HEADER_SIZE
 from kvtier.remote.head_codec import HeadGroup, header_size
-from kvtier.remote.head_keys import HeadKeyedStore, HeadShard, grouping, split_heads
+from kvtier.remote.head_keys import HeadKeyedStore, grouping, split_heads
+from kvtier.remote.head_shard import HeadShard
 from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.remote.tier import RemoteTier
 from kvtier.store.layout import KVLayout

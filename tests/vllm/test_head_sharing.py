@@ -24,7 +24,7 @@ with quiet():
         CopyRun,
     )
 
-    from kvtier.remote.head_keys import HeadShard
+    from kvtier.remote.head_shard import HeadShard
     from kvtier.vllm.offloading.engine_shape import check_head_major, head_sharing
 
 HEADS = 2

@@ -24,85 +24,27 @@ is missing or corrupt, so the engine recomputes the block on all its workers (a 
 value is deleted, and later lookups stop before it).
 
 Models where several workers hold the same bytes (fewer KV heads than workers, or an
-MLA latent every worker keeps whole) store them once: `HeadShard.writes` is true on one
+MLA latent every worker keeps whole) store them once: `head_shard.HeadShard.writes` is true on one
 of the workers holding a head (the first), and all of them read it.
 
 A head's bytes are every layer's of that head in the engine's own page order
-(`HeadShard` says nothing about it): the fingerprint that namespaces the keys names
+(`head_shard.HeadShard` says nothing about it): the fingerprint that namespaces the keys names
 that order, so only engines that cut their pages the same way share.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
-from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.remote.head_codec import GroupCodec, HeadGroup, header_size
-from kvtier.remote.kv_store import LoadGuard, RemoteStoreError, remote_spec
 from kvtier.remote.redis_store import _REFUSED, Payload, RedisBlockStore
 from kvtier.remote.remote_config import RemoteConfig
-from kvtier.store.layout import KVLayout
-from kvtier.store.protocol import BlockLoadError
 from kvtier.validate import positive_int
 
-_MAX_HEADS = 1 << 16  # a value's head count is two bytes of its header
+MAX_HEADS = 1 << 16  # a value's head count is two bytes of its header
 _PREFIX_BYTES = 32  # what a lookup compares (`head_codec`)
-
-
-@dataclass(frozen=True)
-class HeadShard:
-    """The KV heads one worker holds (`first` .. `first + count - 1` of `total`), and
-    whether it is the one that writes them (see the module docstring)."""
-
-    total: int
-    first: int
-    count: int
-    writes: bool = True
-
-    def __post_init__(self) -> None:
-        positive_int("HeadShard.total", self.total)
-        positive_int("HeadShard.count", self.count)
-        if self.total > _MAX_HEADS:
-            raise ValueError(f"HeadShard.total must be <= {_MAX_HEADS}, got {self.total}")
-        if not 0 <= self.first <= self.total - self.count:
-            raise ValueError(
-                f"HeadShard: heads {self.first}..{self.first + self.count - 1} are not "
-                f"among the model's {self.total}"
-            )
-
-    @property
-    def heads(self) -> range:
-        return range(self.first, self.first + self.count)
-
-    @property
-    def group(self) -> HeadGroup:
-        return HeadGroup(self.first, self.count)
-
-    @classmethod
-    def of_rank(cls, total: int, workers: int, rank: int) -> HeadShard:
-        """The heads vLLM gives tensor-parallel rank `rank` of `workers`: an equal share
-        when the heads divide among the workers, else (fewer heads than workers, the
-        workers dividing among the heads) one head held by `workers // total` ranks in
-        a row, the first of them writing it. Any other split is a ValueError: its
-        shards would not be whole heads."""
-        positive_int("total KV heads", total)
-        positive_int("workers", workers)
-        if not 0 <= rank < workers:
-            raise ValueError(f"rank {rank} is not one of {workers} workers")
-        if total % workers == 0:
-            count = total // workers
-            return cls(total, rank * count, count)
-        if workers % total == 0:
-            replicas = workers // total
-            return cls(total, rank // replicas, 1, writes=rank % replicas == 0)
-        raise ValueError(
-            f"{total} KV heads do not divide among {workers} tensor-parallel workers "
-            f"(nor {workers} among {total}): a worker would hold part of a head"
-        )
 
 
 def grouping(total: int, size: int) -> list[HeadGroup]:
@@ -139,10 +81,10 @@ class HeadKeyedStore(RedisBlockStore):
         positive_int("KV heads", heads)
         group_heads = heads if group_heads is None else group_heads
         positive_int("KV heads a value", group_heads)
-        if heads > _MAX_HEADS or heads % group_heads:
+        if heads > MAX_HEADS or heads % group_heads:
             raise ValueError(
                 f"{heads} KV heads do not cut into values of {group_heads} heads "
-                f"(at most {_MAX_HEADS} heads)"
+                f"(at most {MAX_HEADS} heads)"
             )
         store = cls.connect(config, fingerprint, clock)
         store.heads, store.group_heads = heads, group_heads
@@ -389,58 +331,4 @@ def split_heads(rows: Sequence[Payload], heads: int) -> list[memoryview]:
     return out
 
 
-class HeadShardKVStore:
-    """One worker's heads of the shared tier as a data-plane `BlockStore`: a row of
-    `layout` is the worker's heads one after the other (`shard.count` equal runs)."""
-
-    def __init__(self, store: HeadKeyedStore, layout: KVLayout, shard: HeadShard) -> None:
-        if shard.total != store.heads:
-            raise ValueError(f"a shard of {shard.total} heads over a store of {store.heads}")
-        if layout.bytes_per_block % shard.count:
-            raise ValueError(
-                f"a row of {layout.bytes_per_block} bytes does not cut into {shard.count} heads"
-            )
-        self.store = store
-        self.shard = shard
-        self._layout = layout
-
-    @property
-    def layout(self) -> KVLayout:
-        return self._layout
-
-    def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
-        remote = remote_spec(spec, blocks)
-        if not self.shard.writes:  # another worker holds the same bytes and writes them
-            return
-        rows = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in blocks]
-        if not self.store.store_group(remote.block_hashes, self.shard.group, rows, remote.salt):
-            raise RemoteStoreError(
-                f"remote store of {len(blocks)} blocks (heads {self.shard.heads}) failed"
-            )
-
-    def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
-        remote = remote_spec(spec, blocks)
-        shard = self.shard
-        head_bytes = self._layout.bytes_per_block // shard.count
-        values = self.store.load_group(remote.block_hashes, shard.group, head_bytes, remote.salt)
-        rows = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in blocks]
-        for block_hash, row, value in zip(remote.block_hashes, rows, values, strict=True):
-            if value is None or len(value) != len(row):
-                heads = (
-                    f"head {shard.first}"
-                    if shard.count == 1
-                    else f"heads {shard.first}..{shard.first + shard.count - 1}"
-                )
-                size = "absent or refused" if value is None else f"{len(value)} bytes"
-                raise BlockLoadError(
-                    f"remote block {block_hash.hex()} {heads} not servable ({size}, "
-                    f"expected {len(row)} verified bytes); recompute it"
-                )
-        guard: LoadGuard | None = getattr(remote, "guard", None)  # a deadline, see LoadGuard
-        with contextlib.nullcontext() if guard is None else guard.copying("a remote load"):
-            for row, value in zip(rows, values, strict=True):
-                assert value is not None  # checked above
-                row[:] = value
-
-
-__all__ = ["HeadGroup", "HeadKeyedStore", "HeadShard", "HeadShardKVStore"]
+__all__ = ["HeadGroup", "HeadKeyedStore", "grouping", "split_heads"]

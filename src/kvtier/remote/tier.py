@@ -19,7 +19,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvtier.remote.head_keys import HeadKeyedStore, HeadShard, HeadShardKVStore
+from kvtier.remote.head_keys import HeadKeyedStore
+from kvtier.remote.head_shard import HeadShard, HeadShardKVStore
 from kvtier.remote.kv_store import RedisKVStore
 from kvtier.remote.redis_store import RedisBlockStore
 from kvtier.remote.remote_config import RemoteConfig
