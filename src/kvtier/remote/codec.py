@@ -99,22 +99,30 @@ class BlockCodec:
         view[header_size:] = payload
         return view
 
+    def format_fields(self) -> tuple[int, int]:
+        """The format version and the header's third field: its length here (a head
+        group's values, `head_codec`, put their head count there)."""
+        return FORMAT_VERSION, HEADER_SIZE
+
+    @property
+    def min_prefix(self) -> int:
+        """The fewest header bytes `check_prefix` accepts."""
+        return HEADER_SIZE
+
     def expected_prefix(self, block_hash: bytes) -> bytes:
         """The first 32 header bytes a valid value for `block_hash` must start with.
 
         A server-side lookup compares against these, so it needs no checksum and
         no knowledge of the format beyond "these bytes, exactly".
         """
-        return _PREFIX.pack(
-            MAGIC, FORMAT_VERSION, HEADER_SIZE, self.fp_digest, block_digest(block_hash)
-        )
+        return _PREFIX.pack(MAGIC, *self.format_fields(), self.fp_digest, block_digest(block_hash))
 
     def check_prefix(self, block_hash: bytes, prefix: bytes | None) -> DecodeStatus:
         """Verify what a lookup fetched (the header only): all but the checksum."""
-        if prefix is None or len(prefix) < HEADER_SIZE:
+        if prefix is None or len(prefix) < self.min_prefix:
             return DecodeStatus.MALFORMED
-        magic, version, header_len, fp, key = _PREFIX.unpack_from(prefix)
-        if magic != MAGIC or version != FORMAT_VERSION or header_len != HEADER_SIZE:
+        magic, version, third, fp, key = _PREFIX.unpack_from(prefix)
+        if magic != MAGIC or (version, third) != self.format_fields():
             return DecodeStatus.MALFORMED
         if fp != self.fp_digest:
             return DecodeStatus.FOREIGN

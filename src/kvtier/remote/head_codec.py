@@ -83,22 +83,12 @@ class GroupCodec(BlockCodec):
         )
         return fixed + struct.pack(f"<{count}Q", *sums)
 
-    def expected_prefix(self, block_hash: bytes) -> bytes:
-        return _PREFIX.pack(
-            MAGIC, GROUP_FORMAT, self.group.count, self.fp_digest, block_digest(block_hash)
-        )
+    def format_fields(self) -> tuple[int, int]:
+        return GROUP_FORMAT, self.group.count
 
-    def check_prefix(self, block_hash: bytes, prefix: bytes | None) -> DecodeStatus:
-        if prefix is None or len(prefix) < _PREFIX.size:
-            return DecodeStatus.MALFORMED
-        magic, version, heads, fp, key = _PREFIX.unpack_from(prefix)
-        if magic != MAGIC or version != GROUP_FORMAT or heads != self.group.count:
-            return DecodeStatus.MALFORMED
-        if fp != self.fp_digest:
-            return DecodeStatus.FOREIGN
-        if key != block_digest(block_hash):
-            return DecodeStatus.WRONG_KEY
-        return DecodeStatus.OK
+    @property
+    def min_prefix(self) -> int:
+        return _PREFIX.size
 
     def decode(self, block_hash: bytes, value: bytes) -> tuple[DecodeStatus, memoryview | None]:
         size = self.header_size
