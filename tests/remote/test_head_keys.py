@@ -380,18 +380,3 @@ def test_head_groups_against_model(redis_server: RedisServer) -> None:
         lambda: HeadGroupsMachine(redis_server),
         settings=settings(max_examples=60, stateful_step_count=20, deadline=None),
     )
-
-
-def test_without_the_range_script_the_reads_are_pipelined(redis_server: RedisServer) -> None:
-    """A server that refuses scripts (or a cluster): the same bytes, through a pipeline."""
-    hashes, data = blocks(3)
-    write(engine(redis_server.url, 1), hashes, data)
-    two = engine(redis_server.url, 2)
-    for tier, _ in two:
-        store = tier.store
-        assert isinstance(store, HeadKeyedStore) and store._ranges_script is not None
-        store._ranges_script = None
-    client = redis_server.client()
-    client.config_resetstat()
-    assert read(two, hashes) == data
-    assert calls(client) == {"mget": 2, "getrange": 2 * 2 * 3}  # a header and a range a block

@@ -34,33 +34,15 @@ that order, so only engines that cut their pages the same way share.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
-
-import redis
-from redis.commands.core import Script
-from redis.exceptions import ResponseError
 
 from kvtier.remote.head_codec import GroupCodec, HeadGroup, header_size
 from kvtier.remote.redis_store import _REFUSED, Payload, RedisBlockStore
 from kvtier.remote.remote_config import RemoteConfig
 from kvtier.validate import positive_int
 
-# Each key's header (its first ARGV[1] bytes) and one byte range of it (ARGV[2i], ARGV[2i+1]),
-# as one flat reply; a key of another type answers an error in its place.
-RANGES_LUA = """
-local out = {}
-local header_end = tonumber(ARGV[1]) - 1
-for i, key in ipairs(KEYS) do
-  out[2 * i - 1] = redis.pcall('GETRANGE', key, 0, header_end)
-  out[2 * i] = redis.pcall('GETRANGE', key, tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1]))
-end
-return out
-"""
-log = logging.getLogger(__name__)
 MAX_HEADS = 1 << 16  # a value's head count is two bytes of its header
 _PREFIX_BYTES = 32  # what a lookup compares (`head_codec`)
 
@@ -84,7 +66,6 @@ class HeadKeyedStore(RedisBlockStore):
     sizes: list[int]  # heads a value, of every grouping: this engine's first
     _fingerprint: str | bytes
     _groups: dict[HeadGroup, tuple[RedisBlockStore, GroupCodec]]
-    _ranges_script: Script | None
 
     @classmethod
     def connect_heads(
@@ -109,10 +90,6 @@ class HeadKeyedStore(RedisBlockStore):
         store.heads, store.group_heads = heads, group_heads
         store._fingerprint = fingerprint
         store._groups = {}
-        client = store.client
-        store._ranges_script = (
-            client.register_script(RANGES_LUA) if isinstance(client, redis.Redis) else None
-        )
         # this engine's grouping first, then the others, fewest values first
         others = [s for s in range(heads, 0, -1) if heads % s == 0 and s != group_heads]
         store.sizes = [group_heads, *others]
@@ -212,24 +189,6 @@ class HeadKeyedStore(RedisBlockStore):
             holders.append(holder)
         return holders
 
-    def _ranges(self, keys: list[bytes], header_bytes: int, ranges: list[int]) -> list[Any]:
-        """Each key's first `header_bytes` and its byte range (`ranges`: first and last
-        byte of each), in order: one script call on one node (one command and one reply
-        to parse, as MGET is for GETs: a pipeline of two commands a block loaded at about
-        half the GB/s of a GET), else a pipeline."""
-        script = self._ranges_script
-        if script is not None:
-            try:
-                return list(script(keys=keys, args=[header_bytes, *ranges]))
-            except ResponseError as exc:  # a server without scripting: pipeline for good
-                log.warning("remote tier %s: range script refused (%s)", self._where(), exc)
-                self._ranges_script = None
-        pipe = self.client.pipeline(transaction=False)
-        for i, key in enumerate(keys):
-            pipe.getrange(key, 0, header_bytes - 1)
-            pipe.getrange(key, ranges[2 * i], ranges[2 * i + 1])
-        return list(pipe.execute(raise_on_error=False))
-
     # -- whole blocks, in this engine's grouping -----------------------------------------
 
     def store(
@@ -323,14 +282,14 @@ class HeadKeyedStore(RedisBlockStore):
             start, end = max(source.first, group.first), min(source.end, group.end)
             parts.append((*self._group(source), HeadGroup(start, end - start)))
         hs = header_size(size)
-        keys: list[bytes] = []
-        ranges: list[int] = []
+        pipe = self.client.pipeline(transaction=False)
         for block_hash in block_hashes:
             for store, codec, run in parts:
-                keys.append(store._keys((block_hash,), salt)[0])
+                key = store._keys((block_hash,), salt)[0]
                 offset = hs + (run.first - codec.group.first) * head_bytes
-                ranges += (offset, offset + run.count * head_bytes - 1)
-        replies = iter(self._ranges(keys, hs, ranges))
+                pipe.getrange(key, 0, hs - 1)
+                pipe.getrange(key, offset, offset + run.count * head_bytes - 1)
+        replies = iter(pipe.execute(raise_on_error=False))
         out: list[memoryview | None] = []
         refused: list[bytes] = []
         counts = {"loaded_blocks": 0, "loaded_bytes": 0}
