@@ -9,10 +9,14 @@ and 2 MiB blocks, each round writes then reads the same blocks in jobs of
   calls (header + xxh3 checksum on store; verification and the copy into the
   destination row on load);
 - `plain`: `pipeline.set(...)` / `pipeline.get(...)` of the same payloads, nothing else;
-- `heads`: the same blocks kept by KV head (`kvtier.remote.head_keys`: one value per
-  head, `--heads`, as an engine of any tensor-parallel size shares them), moved by one
-  worker holding every head (`HeadShardKVStore`): what sharing across layouts costs an
-  engine that reads its own layout's blocks. One round trip per job on every side.
+- `heads`: the same blocks kept by KV head (`kvtier.remote.head_keys`, `--heads` heads,
+  as engines of any tensor-parallel size share them), moved by one worker holding every
+  head (`HeadShardKVStore`: one value a block, each head with its own checksum): what
+  sharing across layouts costs an engine that reads its own layout's blocks;
+- `cross`: a worker of a two-worker engine loading its half of the heads from those
+  values (no value of its own grouping: a GET that misses, then a header and a byte
+  range a block, GETRANGE): what reading another layout's blocks costs (load only).
+One round trip per job on every side (two for `cross`).
 Sides alternate job by job (so all see the same background noise); the best
 repetition of each counts (the machine is shared and noisy).
 Target: tier >= 70% of plain in both directions. The lookups compare a prefix walk of
@@ -37,7 +41,9 @@ import redis
 
 from benchmarks.common import write_result
 from kvtier.remote.codec import HEADER_SIZE
-from kvtier.remote.head_keys import HeadShard
+from kvtier.remote.head_codec import HeadGroup, header_size
+from kvtier.remote.head_keys import HeadKeyedStore
+from kvtier.remote.head_shard import HeadShard
 from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.remote.tier import RemoteTier
 from kvtier.store.layout import KVLayout
@@ -122,6 +128,13 @@ def bench_size(
     kv_store = tier.kv_store(layout)
     by_head = RemoteTier.from_url(url, layout, block_size=16, socket_timeout_s=30.0, heads=heads)
     head_store = by_head.head_store(layout, HeadShard(heads, 0, heads))
+    half = heads // 2  # (`cross`: none when a block is one head)
+    halves = np.zeros((num_blocks, block_bytes // 2), dtype=np.uint8)
+    half_dests = [memoryview(halves[i]) for i in range(num_blocks)]
+    by_half = RemoteTier.from_url(
+        url, layout, block_size=16, socket_timeout_s=30.0, heads=heads, group_heads=max(half, 1)
+    )
+    half_store = by_half.head_store(layout_for(block_bytes // 2), HeadShard(heads, 0, half or 1))
     specs = [RemoteLoadStoreSpec([hashes[i] for i in b]) for b in batches]
     plain = redis.Redis(host="127.0.0.1", port=port)
     plain_keys = [b"plain:" + h.hex().encode() for h in hashes]
@@ -137,6 +150,9 @@ def bench_size(
 
     def heads_load(n: int) -> None:
         head_store.read_blocks(specs[n], [dests[i] for i in batches[n]])
+
+    def cross_load(n: int) -> None:
+        half_store.read_blocks(specs[n], [half_dests[i] for i in batches[n]])
 
     def plain_store(n: int) -> None:
         pipe = plain.pipeline(transaction=False)
@@ -155,6 +171,8 @@ def bench_size(
         "heads": (heads_store, heads_load),
         "plain": (plain_store, plain_load),
     }
+    if half:
+        sides["cross"] = (lambda n: None, cross_load)  # reads what `heads` wrote
     times: dict[str, list[float]] = {f"{s}_{d}": [] for s in sides for d in ("store", "load")}
     for _ in range(repeats):
         plain.flushall()
@@ -162,35 +180,47 @@ def bench_size(
             spent = dict.fromkeys(sides, 0.0)
             for n in range(len(batches)):
                 # rotate which side goes first, job by job: all see the same noise
-                order = sorted(sides)
-                for side in order[n % 3 :] + order[: n % 3]:
+                order, first = sorted(sides), n % len(sides)
+                for side in order[first:] + order[:first]:
                     spent[side] += timed(sides[side][direction], n)
             for side, seconds in spent.items():
                 times[f"{side}_{('store', 'load')[direction]}"].append(seconds)
     assert np.array_equal(dest, rows), "tier load returned different bytes"
-    for stats in (tier.stats, by_head.stats):
+    if half:
+        assert np.array_equal(halves, rows[:, : block_bytes // 2]), "cross load: other bytes"
+    for stats in (tier.stats, by_head.stats, by_half.stats):
         assert stats.corrupt_blocks == stats.errors == 0
     key_bytes = len(tier.store.key(hashes[0]))
-    head_key_bytes = len(by_head.store.key(hashes[0])) + 4  # the head's index, in hex
-    tier.close()
-    by_head.close()
+    assert isinstance(by_head.store, HeadKeyedStore)
+    head_key_bytes = len(by_head.store.group_key(hashes[0], HeadGroup(0, heads)))
+    for t in (tier, by_head, by_half):
+        t.close()
     plain.close()
     total = block_bytes * num_blocks
-    gbps = {k: total / min(v) / 1e9 for k, v in times.items()}
+    gbps = {k: total / min(v) / 1e9 for k, v in times.items() if k != "cross_store"}
+    if half:
+        gbps["cross_load"] /= 2  # half of each block's bytes
     return {
         # what one block costs on the wire and in Redis besides its bytes: key and header
+        # (one engine's values; a two-worker engine writes two, of half the heads each)
         "overhead_bytes_per_block": {
             "tier": key_bytes + HEADER_SIZE,
-            "heads": heads * (head_key_bytes + HEADER_SIZE),
+            "heads": head_key_bytes + header_size(heads),
+            "heads_two_workers": 2 * (head_key_bytes + header_size(half)) if half else None,
         },
         "heads_store_ratio": gbps["heads_store"] / gbps["tier_store"],
         "heads_load_ratio": gbps["heads_load"] / gbps["tier_load"],
+        "cross_load_ratio": gbps["cross_load"] / gbps["tier_load"] if half else None,
         "block_bytes": block_bytes,
         "num_blocks": num_blocks,
         "batch_blocks": batch,
         "repeats": repeats,
         "gb_per_s": gbps,
-        "median_gb_per_s": {k: total / float(np.median(v)) / 1e9 for k, v in times.items()},
+        "median_gb_per_s": {
+            k: total / float(np.median(v)) / 1e9 / (2 if k == "cross_load" else 1)
+            for k, v in times.items()
+            if k != "cross_store"
+        },
         "store_ratio": gbps["tier_store"] / gbps["plain_store"],
         "load_ratio": gbps["tier_load"] / gbps["plain_load"],
     }
@@ -279,6 +309,12 @@ def main() -> None:
             f"load {g['heads_load']:.2f} GB/s ({r['heads_load_ratio']:.0%}); key and header "
             f"bytes a block {r['overhead_bytes_per_block']['tier']} vs "
             f"{r['overhead_bytes_per_block']['heads']}"
+            + (
+                ""
+                if r["cross_load_ratio"] is None
+                else f"; half the heads from another layout's values: load "
+                f"{g['cross_load']:.2f} GB/s ({r['cross_load_ratio']:.0%})"
+            )
         )
     for lk in lookups:
         us = lk["us_per_block"]

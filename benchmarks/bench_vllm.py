@@ -551,7 +551,15 @@ def main(argv: list[str] | None = None) -> None:
         help=f"TTFT engine shapes, comma list of {known} ({CROSS}: the cross-layout Redis "
         "row, benchmarks/vllm_cross_layout.py)",
     )
+    parser.add_argument(
+        "--cross-prompts",
+        type=int,
+        default=4,
+        help=f"{CROSS}: prompts each writer computes (each reader loads twice as many)",
+    )
     args = parser.parse_args(argv)
+    if args.cross_prompts < 1:
+        parser.error(f"--cross-prompts must be >= 1, got {args.cross_prompts}")
     names = [s for s in args.shapes.split(",") if s]
     unknown = sorted(set(names) - set(known))
     if unknown:
@@ -582,15 +590,15 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(write_result(size.result_name, {**host, **ttft}))
     if CROSS in names and args.only in (None, "ttft"):
-        cross_layout(args.tokens, host)
+        cross_layout(args.tokens, host, args.cross_prompts)
 
 
-def cross_layout(tokens: int, host: dict[str, Any]) -> None:
+def cross_layout(tokens: int, host: dict[str, Any], per_writer: int) -> None:
     from benchmarks.vllm_cross_layout import bench_cross_layout, result_name
 
     print(f"== TTFT of a {tokens:,}-token prompt from Redis, written at another layout")
     with _workdir() as workdir:
-        cross = bench_cross_layout(workdir, tokens)
+        cross = bench_cross_layout(workdir, tokens, per_writer)
     for name, row in cross["rows"].items():
         print(f"   {name}: {row}", flush=True)
     print(write_result(result_name(tokens), {**host, **cross}))

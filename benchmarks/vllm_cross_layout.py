@@ -10,13 +10,17 @@ on this machine within bench_vllm's 5 s (README, its tensor-parallel row), which
 make the readers miss for a reason that is not the layout. Then a reader of each size,
 its only tier below CPU that Redis, serves the eight in the order P0 Q0 Q1 P1 P2 Q2 Q3 P3:
 its own layout's prompts and the other's alternate (ABBA), so that neither side always
-goes first, and both sides are timed in the same engine (medians compared). Targets
-(issue 37): a cross-layout hit caches as many tokens as a same-layout one, and its TTFT
-is within 1.2x of it. Writes vllm_cross[_<tokens>].json.
+goes first, and both sides are timed in the same engine (medians compared; `--cross-prompts`
+sets how many prompts each writer computes, default 4). Each reader's Redis jobs are
+logged (`KVTIER_TRANSFER_LOG`: each worker's seconds per job) into the result, so a slow
+load can be told from a slow engine. Targets (issue 37): a cross-layout hit caches as
+many tokens as a same-layout one, and its TTFT is within 1.2x of it. Writes
+vllm_cross[_<tokens>].json.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -46,18 +50,21 @@ def result_name(tokens: int) -> str:
     return "vllm_cross" if tokens == FULL_TOKENS else f"vllm_cross_{tokens}"
 
 
-def bench_cross_layout(workdir: Path, tokens: int = FULL_TOKENS) -> dict[str, Any]:
+def bench_cross_layout(
+    workdir: Path, tokens: int = FULL_TOKENS, per_writer: int = PER_WRITER
+) -> dict[str, Any]:
     sizes = {w: Size(tokens, QWEN2_05B, w, shape="cross") for w in WORKERS}
     model = write_model(workdir / "model-cross", QWEN2_05B, weights=False)
-    prompts = random_prompts(2 * PER_WRITER, tokens, QWEN2_05B.vocab, seed=5)
-    flushes = random_prompts(PER_WRITER, BLOCK, QWEN2_05B.vocab, seed=6)
-    written = {1: prompts[:PER_WRITER], 2: prompts[PER_WRITER:]}  # P0..P3, Q0..Q3
+    prompts = random_prompts(2 * per_writer, tokens, QWEN2_05B.vocab, seed=5)
+    flushes = random_prompts(per_writer, BLOCK, QWEN2_05B.vocab, seed=6)
+    written = {1: prompts[:per_writer], 2: prompts[per_writer:]}  # P0..P3, Q0..Q3
     order = [  # (writer's workers, prompt): P0 Q0 Q1 P1 P2 Q2 Q3 P3
         pair
-        for k in range(PER_WRITER)
+        for k in range(per_writer)
         for pair in ((1, written[1][k]), (2, written[2][k]))[:: 1 if k % 2 == 0 else -1]
     ]
     readers: dict[int, JobResult] = {}
+    transfers: dict[str, list[Any]] = {}
     writers: dict[str, list[str]] = {}
     with redis_server() as port:
         url = f"redis://127.0.0.1:{port}/0"
@@ -77,8 +84,19 @@ def bench_cross_layout(workdir: Path, tokens: int = FULL_TOKENS) -> dict[str, An
                 for i, (by, p) in enumerate(order)
             )
             config = kvtier_config("redis", workdir, url, sizes[w])
-            readers[w] = _timed_run(f"reader, {w} worker(s)", _job(model, rounds, config, sizes[w]))
-    return {**summarize(readers, tokens), "writer_warnings": writers}
+            log = workdir / f"reader{w}-transfers.jsonl"
+            job = _job(model, rounds, config, sizes[w], transfer_log=log)
+            readers[w] = _timed_run(f"reader, {w} worker(s)", job)
+            lines = log.read_text().splitlines() if log.exists() else []
+            transfers[f"read_at_tp{w}"] = [
+                row for row in map(json.loads, lines) if row["tier"] == "remote"
+            ]
+    return {
+        **summarize(readers, tokens),
+        "per_writer": per_writer,
+        "reader_redis_jobs": transfers,
+        "writer_warnings": writers,
+    }
 
 
 def summarize(readers: dict[int, JobResult], tokens: int) -> dict[str, Any]:
@@ -108,7 +126,7 @@ def summarize(readers: dict[int, JobResult], tokens: int) -> dict[str, Any]:
         "model": QWEN2_05B.__dict__,
         "prompt_tokens": tokens,
         "block_size": BLOCK,
-        "order": "P0 Q0 Q1 P1 P2 Q2 Q3 P3 (P: written at one worker, Q: at two)",
+        "order": "P0 Q0 Q1 P1 P2 Q2 Q3 P3 ... (P: written at one worker, Q: at two)",
         "rows": rows,
         "targets": {"cached_tokens": "cross == same", "max_cross_vs_same": TARGET_VS_SAME_LAYOUT},
     }

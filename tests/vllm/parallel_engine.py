@@ -39,7 +39,7 @@ with quiet():
         make_offload_key,
     )
 
-    from kvtier.remote.head_keys import HeadShard
+    from kvtier.remote.head_shard import HeadShard
     from kvtier.vllm.offloading.job_specs import WorkerReport
     from kvtier.vllm.offloading.kvtier_connector import worker_meta
     from kvtier.vllm.offloading.offloading_spec import (

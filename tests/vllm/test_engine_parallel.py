@@ -16,8 +16,9 @@ Each shape plays one scenario, run once per session (engine starts are the cost)
    head), then A's prompt comes back from Redis (written by A's two workers, a head
    each); A's disk shards stay A's (the disk tier is kept by rank).
 4. engine C, no disk, on A's Redis server: A's prompt comes back from Redis; then
-   (tensor parallel) X comes back too (written by D's one worker), and after Redis's
-   values of KV head 1 are corrupted, Y (worker 1's head bad) is recomputed on both.
+   (tensor parallel) X comes back too (written by D's one worker: each of C's workers
+   reads its head out of D's values), and after the last byte of every Redis value is
+   flipped (in Y's values, KV head 1's), Y (worker 1's head bad) is recomputed on both.
 
 Across layouts the output is not bit-identical (a tensor-parallel engine sums its
 workers' partial results in another order): a cross-layout hit must give the writer's
@@ -155,7 +156,9 @@ def _play(shape: Shape, model: Path, workdir: Path) -> Scenario:
             env_d = {"KVTIER_TRANSFER_LOG": str(d_transfers)}
             job_d = _job(one_worker, model, config_d, rounds=rounds_d, env=env_d)
             d = run_job(job_d, workdir=workdir)
-            head_1 = (("corrupt_redis", f"{server.url} *0001}}"),)  # worker 1's KV head
+            # the last byte of every value: Y's (D's one worker wrote heads 0 and 1 as one
+            # value) is KV head 1's, which worker 1 of C reads (GETRANGE)
+            head_1 = (("corrupt_redis", f"{server.url} *"),)
             rounds_c += [
                 Round((x,), name=CROSS_LAYOUT),
                 Round((y,), name="corrupted", before=head_1),

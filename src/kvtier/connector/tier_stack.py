@@ -136,6 +136,7 @@ def build_tiers(
     remote_payload_bytes: int | None = None,
     async_lookup: bool = False,
     remote_heads: int | None = None,
+    remote_group_heads: int | None = None,
 ) -> Tiers:
     """The stack `config` describes.
 
@@ -144,8 +145,9 @@ def build_tiers(
     Redis (a layout, or its fingerprint); `remote_payload_bytes`: placeholder bytes per
     block when no data plane writes real ones; `async_lookup`: Redis lookups answer
     "ask again" while their round trip is in flight (an engine's scheduler never waits);
-    `remote_heads`: Redis keeps each block as that many values, one per KV head
-    (`kvtier.remote.head_keys`: engines of every tensor-parallel size share them).
+    `remote_heads`: Redis keeps each block by KV head, this many of them, the engine's
+    workers writing `remote_group_heads` a value (`kvtier.remote.head_keys`: engines of
+    every tensor-parallel size share them).
     """
     events, bs, policy = config.enable_events, config.block_size, config.policy
     cpu: OffloadingManager = CPUOffloadingManager(
@@ -182,6 +184,7 @@ def build_tiers(
                 remote_key,
                 block_size=bs,
                 heads=remote_heads,
+                group_heads=remote_group_heads,
                 **config.redis_options,
             )
         except BaseException:

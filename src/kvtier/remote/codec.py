@@ -61,6 +61,11 @@ class BlockCodec:
     def for_fingerprint(cls, fingerprint: str | bytes) -> BlockCodec:
         return cls(fingerprint_digest(fingerprint))
 
+    @property
+    def header_size(self) -> int:
+        """Bytes before the payload in every value of this codec."""
+        return HEADER_SIZE
+
     def header(self, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:
         """The 48-byte header for `payload` stored under `block_hash`."""
         return _HEADER.pack(
@@ -85,13 +90,24 @@ class BlockCodec:
         Why: a fresh multi-MiB value per block costs page faults that dwarf the
         copy itself; a warm buffer makes the envelope nearly free.
         """
-        size = HEADER_SIZE + len(payload)
+        header_size = self.header_size
+        size = header_size + len(payload)
         if len(buffer) < size:
             raise ValueError(f"buffer of {len(buffer)} bytes cannot hold {size}")
         view = memoryview(buffer)[:size]
-        view[:HEADER_SIZE] = self.header(block_hash, payload)
-        view[HEADER_SIZE:] = payload
+        view[:header_size] = self.header(block_hash, payload)
+        view[header_size:] = payload
         return view
+
+    def format_fields(self) -> tuple[int, int]:
+        """The format version and the header's third field: its length here (a head
+        group's values, `head_codec`, put their head count there)."""
+        return FORMAT_VERSION, HEADER_SIZE
+
+    @property
+    def min_prefix(self) -> int:
+        """The fewest header bytes `check_prefix` accepts."""
+        return HEADER_SIZE
 
     def expected_prefix(self, block_hash: bytes) -> bytes:
         """The first 32 header bytes a valid value for `block_hash` must start with.
@@ -99,16 +115,14 @@ class BlockCodec:
         A server-side lookup compares against these, so it needs no checksum and
         no knowledge of the format beyond "these bytes, exactly".
         """
-        return _PREFIX.pack(
-            MAGIC, FORMAT_VERSION, HEADER_SIZE, self.fp_digest, block_digest(block_hash)
-        )
+        return _PREFIX.pack(MAGIC, *self.format_fields(), self.fp_digest, block_digest(block_hash))
 
     def check_prefix(self, block_hash: bytes, prefix: bytes | None) -> DecodeStatus:
         """Verify what a lookup fetched (the header only): all but the checksum."""
-        if prefix is None or len(prefix) < HEADER_SIZE:
+        if prefix is None or len(prefix) < self.min_prefix:
             return DecodeStatus.MALFORMED
-        magic, version, header_len, fp, key = _PREFIX.unpack_from(prefix)
-        if magic != MAGIC or version != FORMAT_VERSION or header_len != HEADER_SIZE:
+        magic, version, third, fp, key = _PREFIX.unpack_from(prefix)
+        if magic != MAGIC or (version, third) != self.format_fields():
             return DecodeStatus.MALFORMED
         if fp != self.fp_digest:
             return DecodeStatus.FOREIGN

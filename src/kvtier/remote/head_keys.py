@@ -1,109 +1,71 @@
-"""Blocks kept by KV head in the shared tier, so engines of any parallel layout share them.
+"""Blocks kept by KV head group in the shared tier, so engines of any parallel layout share them.
 
-A tensor-parallel worker holds only its own KV heads of every block. Kept as one value
-per worker, a block could be read back only by an engine cut the same way; kept as one
-value per KV head, every engine of the model reads it, whatever its tensor-parallel
-size: each worker reads and writes exactly its heads, and a two-worker engine's block
-is a one-worker engine's block. So a block of a model with H KV heads is H values,
-under the keys of `head_hashes` (the block hash and the head's index), each with the
-remote tier's own envelope (layout fingerprint, the head key's digest, xxh3 checksum).
+A tensor-parallel worker holds only its own KV heads of every block. Kept under a key
+named by the worker's rank, a block could be read back only by an engine cut the same
+way. So the key names what the bytes are instead: the layout every engine of the model
+shares (model, dtype, block size, KV-cache groups, KV heads, page order) and the run
+of heads the value holds (`HeadGroup`). Each worker writes its heads of a block as one
+value (`head_codec`: a header with every head's own checksum, then the heads), so an
+engine reading its own layout's blocks makes one GET per block and worker, as one value
+per block did, with keys and headers of the same size (48 bytes of header for a value
+of one head, 8 more for each further head).
 
-A block is in the tier only when every head is: a lookup asks for all H values of each
-block in order and counts the blocks whose every head is there (one round trip, as
-before: the walk only has H times the keys), so a head Redis evicted, or one a worker
-failed to write, makes the block a miss for every worker of every engine. A corrupt
-head fails that worker's load, and the engine recomputes the block on all its workers.
+An engine of another layout reads the heads it needs from the groups that hold them:
+for the blocks its own grouping misses, one pipelined round trip per other grouping
+reads each group's header and its heads' byte range (GETRANGE), verified head by head.
+A lookup walks the engine's own grouping first (one round trip, as before: the prefix
+script over the same number of keys); where it stops, one round trip asks which
+grouping holds that block whole, and the walk goes on in that grouping. So a cold
+prompt costs a second (short) round trip, and a block of another layout a few more.
+
+A block is in the tier only when every head is: a lookup counts a block only where
+every group of one grouping is there, and a worker's load fails where any of its heads
+is missing or corrupt, so the engine recomputes the block on all its workers (a corrupt
+value is deleted, and later lookups stop before it).
 
 Models where several workers hold the same bytes (fewer KV heads than workers, or an
-MLA latent every worker keeps whole) store them once: `HeadShard.writes` is true on one
+MLA latent every worker keeps whole) store them once: `head_shard.HeadShard.writes` is true on one
 of the workers holding a head (the first), and all of them read it.
 
-The per-head value of a block is the head's bytes of every layer in the engine's own
-page order (`HeadShard` says nothing about it): the fingerprint that namespaces the
-keys names that order, so only engines that cut their pages the same way share.
+A head's bytes are every layer's of that head in the engine's own page order
+(`head_shard.HeadShard` says nothing about it): the fingerprint that namespaces the keys names
+that order, so only engines that cut their pages the same way share.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from functools import partial
 
-from kvtier.offload.abstract import LoadStoreSpec
-from kvtier.remote.kv_store import LoadGuard, RemoteStoreError, remote_spec
-from kvtier.remote.redis_store import Payload, RedisBlockStore
+from kvtier.remote.head_codec import GroupCodec, HeadGroup, header_size
+from kvtier.remote.redis_store import _REFUSED, Payload, RedisBlockStore
 from kvtier.remote.remote_config import RemoteConfig
-from kvtier.store.layout import KVLayout
-from kvtier.store.protocol import BlockLoadError
 from kvtier.validate import positive_int
 
-_MAX_HEADS = 1 << 16  # a head's index is two bytes of its key
+MAX_HEADS = 1 << 16  # a value's head count is two bytes of its header
+_PREFIX_BYTES = 32  # what a lookup compares (`head_codec`)
 
 
-def head_hashes(block_hashes: Sequence[bytes], heads: range) -> list[bytes]:
-    """The key hashes of `heads` of each block, block by block (a block's heads in order)."""
-    suffixes = [head.to_bytes(2, "big") for head in heads]
-    return [block_hash + suffix for block_hash in block_hashes for suffix in suffixes]
-
-
-@dataclass(frozen=True)
-class HeadShard:
-    """The KV heads one worker holds (`first` .. `first + count - 1` of `total`), and
-    whether it is the one that writes them (see the module docstring)."""
-
-    total: int
-    first: int
-    count: int
-    writes: bool = True
-
-    def __post_init__(self) -> None:
-        positive_int("HeadShard.total", self.total)
-        positive_int("HeadShard.count", self.count)
-        if self.total > _MAX_HEADS:
-            raise ValueError(f"HeadShard.total must be <= {_MAX_HEADS}, got {self.total}")
-        if not 0 <= self.first <= self.total - self.count:
-            raise ValueError(
-                f"HeadShard: heads {self.first}..{self.first + self.count - 1} are not "
-                f"among the model's {self.total}"
-            )
-
-    @property
-    def heads(self) -> range:
-        return range(self.first, self.first + self.count)
-
-    @classmethod
-    def of_rank(cls, total: int, workers: int, rank: int) -> HeadShard:
-        """The heads vLLM gives tensor-parallel rank `rank` of `workers`: an equal share
-        when the heads divide among the workers, else (fewer heads than workers, the
-        workers dividing among the heads) one head held by `workers // total` ranks in
-        a row, the first of them writing it. Any other split is a ValueError: its
-        shards would not be whole heads."""
-        positive_int("total KV heads", total)
-        positive_int("workers", workers)
-        if not 0 <= rank < workers:
-            raise ValueError(f"rank {rank} is not one of {workers} workers")
-        if total % workers == 0:
-            count = total // workers
-            return cls(total, rank * count, count)
-        if workers % total == 0:
-            replicas = workers // total
-            return cls(total, rank // replicas, 1, writes=rank % replicas == 0)
-        raise ValueError(
-            f"{total} KV heads do not divide among {workers} tensor-parallel workers "
-            f"(nor {workers} among {total}): a worker would hold part of a head"
-        )
+def grouping(total: int, size: int) -> list[HeadGroup]:
+    """The groups of `size` heads an engine whose workers hold `size` heads each writes."""
+    return [HeadGroup(first, size) for first in range(0, total, size)]
 
 
 class HeadKeyedStore(RedisBlockStore):
-    """A `RedisBlockStore` whose blocks are `heads` values each (see the module docstring).
+    """A `RedisBlockStore` whose blocks are kept by head group (see the module docstring).
 
     Lookups, `store` and `load` speak of whole blocks as the base class does (so the
-    remote tier's manager and its asynchronous lookups use it unchanged); a worker
-    moves its own heads with `store_heads` / `load_heads`. The store's counters
-    (`stats`) count head values, the unit Redis holds."""
+    remote tier's manager and its asynchronous lookups use it unchanged), in this
+    engine's grouping (`group_heads` heads a value); a worker moves its own heads with
+    `store_group` / `load_group`. The store's counters (`stats`) count values, the unit
+    Redis holds."""
 
     heads: int = 1
+    group_heads: int = 1
+    sizes: list[int]  # heads a value, of every grouping: this engine's first
+    _fingerprint: str | bytes
+    _groups: dict[HeadGroup, tuple[RedisBlockStore, GroupCodec]]
 
     @classmethod
     def connect_heads(
@@ -111,33 +73,123 @@ class HeadKeyedStore(RedisBlockStore):
         config: RemoteConfig,
         fingerprint: str | bytes,
         heads: int,
+        group_heads: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> HeadKeyedStore:
-        """`RedisBlockStore.connect`, for blocks of `heads` values each."""
+        """`RedisBlockStore.connect`, for blocks of `heads` KV heads that this engine's
+        workers write `group_heads` at a time (default all: one worker)."""
         positive_int("KV heads", heads)
+        group_heads = heads if group_heads is None else group_heads
+        positive_int("KV heads a value", group_heads)
+        if heads > MAX_HEADS or heads % group_heads:
+            raise ValueError(
+                f"{heads} KV heads do not cut into values of {group_heads} heads "
+                f"(at most {MAX_HEADS} heads)"
+            )
         store = cls.connect(config, fingerprint, clock)
-        store.heads = heads
+        store.heads, store.group_heads = heads, group_heads
+        store._fingerprint = fingerprint
+        store._groups = {}
+        # this engine's grouping first, then the others, fewest values first
+        others = [s for s in range(heads, 0, -1) if heads % s == 0 and s != group_heads]
+        store.sizes = [group_heads, *others]
         return store
 
-    @property
-    def all_heads(self) -> range:
-        return range(self.heads)
+    def group_store(self, group: HeadGroup) -> RedisBlockStore:
+        """The values of `group` (their own keys and envelope) over this store's connection."""
+        return self._group(group)[0]
+
+    def _group(self, group: HeadGroup) -> tuple[RedisBlockStore, GroupCodec]:
+        made = self._groups.get(group)
+        if made is None:
+            if group.end > self.heads:
+                raise ValueError(f"heads {group.heads} are not among the model's {self.heads}")
+            codec = GroupCodec.for_group(self._fingerprint, group)
+            made = self._groups[group] = (self.sibling(codec), codec)
+        return made
+
+    def group_key(self, block_hash: bytes, group: HeadGroup, salt: str | None = None) -> bytes:
+        return self.group_store(group).key(block_hash, salt)
+
+    # -- lookups -------------------------------------------------------------------------
 
     def try_count_prefix(
         self, block_hashes: Sequence[bytes], salt: str | None = None
     ) -> int | None:
-        found = super().try_count_prefix(head_hashes(block_hashes, self.all_heads), salt)
-        return None if found is None else found // self.heads
+        found = self.try_count_prefixes([block_hashes], salt)
+        return None if found is None else found[0]
 
     def try_count_prefixes(
         self, questions: Sequence[Sequence[bytes]], salt: str | None = None
     ) -> list[int] | None:
-        if len(questions) == 1:  # (the base class would call our try_count_prefix)
-            one = self.try_count_prefix(questions[0], salt)
-            return None if one is None else [one]
-        heads = self.all_heads
-        found = super().try_count_prefixes([head_hashes(q, heads) for q in questions], salt)
-        return None if found is None else [n // self.heads for n in found]
+        call = partial(self._count_prefixes, questions, salt)
+        found: list[int] | None = self._guarded("lookup", call, None)
+        hits = 0 if found is None else sum(found)
+        self._counters.add(lookups=len(questions), lookup_hit_blocks=hits)
+        return found
+
+    def _count_prefixes(self, questions: Sequence[Sequence[bytes]], salt: str | None) -> list[int]:
+        """Walk this engine's grouping; where a walk stops, find which grouping holds that
+        block whole and walk on in it (see the module docstring)."""
+        found = self._walk(self.group_heads, [(q, 0) for q in questions], salt)
+        pending = [i for i, q in enumerate(questions) if found[i] < len(q)]
+        while pending:
+            holders = self._whole_at([questions[i][found[i]] for i in pending], salt)
+            walked = []
+            for size in self.sizes:
+                ids = [i for i, held in zip(pending, holders, strict=True) if held == size]
+                if ids:
+                    steps = self._walk(size, [(questions[i], found[i]) for i in ids], salt)
+                    for i, step in zip(ids, steps, strict=True):
+                        found[i] += step
+                        if step and found[i] < len(questions[i]):
+                            walked.append(i)
+            pending = walked
+        return found
+
+    def _walk(
+        self, size: int, starts: list[tuple[Sequence[bytes], int]], salt: str | None
+    ) -> list[int]:
+        """For each (question, start): how many blocks from `start` on have every group of
+        `size` heads there, in one round trip."""
+        groups = [self.group_store(g) for g in grouping(self.heads, size)]
+        keys, expected = [], []
+        for question, start in starts:
+            hashes = question[start:]
+            per_group = [g._keys(hashes, salt) for g in groups]
+            keys.append([k for block in zip(*per_group, strict=True) for k in block])
+            expected.append([g.codec.expected_prefix(h) for h in hashes for g in groups])
+        answers = self._walk_prefixes(keys, expected)
+        for (question, start), (items, stopper) in zip(starts, answers, strict=True):
+            if stopper:  # present but refused: say why
+                block, group = divmod(items, len(groups))
+                status = groups[group].codec.check_prefix(question[start + block], stopper)
+                self._counters.add(**{_REFUSED.get(status, "malformed_blocks"): 1})
+        return [items // len(groups) for items, _ in answers]
+
+    def _whole_at(self, block_hashes: list[bytes], salt: str | None) -> list[int | None]:
+        """For each block, the first grouping (in `sizes` order) whose every group is
+        there, or None: one round trip of header reads."""
+        pipe = self.client.pipeline(transaction=False)
+        asked = []
+        for block_hash in block_hashes:
+            for size in self.sizes:
+                for group in grouping(self.heads, size):
+                    store = self.group_store(group)
+                    pipe.getrange(store._keys((block_hash,), salt)[0], 0, _PREFIX_BYTES - 1)
+                    asked.append(store.codec.expected_prefix(block_hash))
+        replies = iter(zip(asked, pipe.execute(raise_on_error=False), strict=True))
+        holders: list[int | None] = []
+        for _ in block_hashes:
+            holder = None
+            for size in self.sizes:
+                answers = [next(replies) for _ in range(self.heads // size)]
+                if holder is None and all(want == got for want, got in answers):
+                    holder = size
+            holders.append(holder)
+        return holders
+
+    # -- whole blocks, in this engine's grouping -----------------------------------------
 
     def store(
         self,
@@ -145,40 +197,126 @@ class HeadKeyedStore(RedisBlockStore):
         payloads: Sequence[Payload],
         salt: str | None = None,
     ) -> bool:
-        """Whole blocks, each cut into `heads` equal values."""
+        """Whole blocks, each cut into this engine's groups (a round trip per group)."""
         if len(block_hashes) != len(payloads):
             raise ValueError(f"{len(block_hashes)} hashes but {len(payloads)} payloads")
-        values = split_heads(payloads, self.heads)
-        return self.store_heads(block_hashes, self.all_heads, values, salt)
+        groups = grouping(self.heads, self.group_heads)
+        parts = split_heads(payloads, len(groups))
+        return all(
+            self.store_group(block_hashes, group, parts[i :: len(groups)], salt)
+            for i, group in enumerate(groups)
+        )
 
     def load(
         self, block_hashes: Sequence[bytes], salt: str | None = None
     ) -> list[memoryview | None]:
-        """Whole blocks (their heads joined), None where any head is not servable."""
-        values = self.load_heads(block_hashes, self.all_heads, salt)
+        """Whole blocks of this engine's grouping (their groups joined), None where any
+        group is not servable. (Only a worker's `load_group` reads other groupings.)"""
+        groups = [self.group_store(g) for g in grouping(self.heads, self.group_heads)]
+        if len(groups) == 1:
+            return groups[0].load(block_hashes, salt)
+        values = [g.load(block_hashes, salt) for g in groups]
         out: list[memoryview | None] = []
-        for first in range(0, len(values), self.heads):
-            parts = values[first : first + self.heads]
+        for parts in zip(*values, strict=True):
             whole = all(p is not None for p in parts)
             out.append(memoryview(b"".join(p for p in parts if p is not None)) if whole else None)
         return out
 
-    def store_heads(
+    # -- one worker's heads --------------------------------------------------------------
+
+    def store_group(
         self,
         block_hashes: Sequence[bytes],
-        heads: range,
+        group: HeadGroup,
         values: Sequence[Payload],
         salt: str | None = None,
     ) -> bool:
-        """`values`: each block's values of `heads`, block by block; False if any write
+        """Each block's `group` heads as one value (one round trip); False if any write
         may have failed."""
-        return super().store(head_hashes(block_hashes, heads), values, salt)
+        return self.group_store(group).store(block_hashes, values, salt)
 
-    def load_heads(
-        self, block_hashes: Sequence[bytes], heads: range, salt: str | None = None
+    def load_group(
+        self,
+        block_hashes: Sequence[bytes],
+        group: HeadGroup,
+        head_bytes: int,
+        salt: str | None = None,
     ) -> list[memoryview | None]:
-        """Each block's verified values of `heads`, block by block (None: not servable)."""
-        return super().load(head_hashes(block_hashes, heads), salt)
+        """Each block's verified heads of `group` (`head_bytes` each), None where not
+        servable: this group's values (one GET a block), then, for the blocks they miss,
+        each other grouping's values that hold these heads (a round trip each)."""
+        values = self.group_store(group).load(block_hashes, salt)
+        missing = first_missing = [i for i, v in enumerate(values) if v is None]
+        for size in self.sizes:
+            if not missing:
+                break
+            if size == group.count and group.first % size == 0:
+                continue  # this group's own values: read above
+            hashes = [block_hashes[i] for i in missing]
+            call = partial(self._read_heads, hashes, group, size, head_bytes, salt)
+            got: list[memoryview | None] | None = self._guarded("load", call, None)
+            if got is None:
+                break
+            for i, value in zip(missing, got, strict=True):
+                values[i] = value
+            missing = [i for i in missing if values[i] is None]
+        elsewhere = len(first_missing) - len(missing)
+        if elsewhere:  # counted missing by the first read: found in another grouping after all
+            self._counters.add(missing_blocks=-elsewhere)
+        return values
+
+    def _read_heads(
+        self,
+        block_hashes: Sequence[bytes],
+        group: HeadGroup,
+        size: int,
+        head_bytes: int,
+        salt: str | None,
+    ) -> list[memoryview | None]:
+        """`group`'s heads of each block from the values of groups of `size` heads: each
+        source's header and its byte range of these heads, one pipelined round trip."""
+        first = group.first // size * size
+        sources = [HeadGroup(f, size) for f in range(first, group.end, size)]
+        parts = []  # (source's store and codec, the run of `group`'s heads it holds)
+        for source in sources:
+            start, end = max(source.first, group.first), min(source.end, group.end)
+            parts.append((*self._group(source), HeadGroup(start, end - start)))
+        hs = header_size(size)
+        pipe = self.client.pipeline(transaction=False)
+        for block_hash in block_hashes:
+            for store, codec, run in parts:
+                key = store._keys((block_hash,), salt)[0]
+                offset = hs + (run.first - codec.group.first) * head_bytes
+                pipe.getrange(key, 0, hs - 1)
+                pipe.getrange(key, offset, offset + run.count * head_bytes - 1)
+        replies = iter(pipe.execute(raise_on_error=False))
+        out: list[memoryview | None] = []
+        refused: list[bytes] = []
+        counts = {"loaded_blocks": 0, "loaded_bytes": 0}
+        for block_hash in block_hashes:
+            pieces: list[memoryview] = []
+            for store, codec, run in parts:
+                header, body = next(replies), next(replies)
+                if not isinstance(header, bytes) or not header:
+                    continue  # not there: another grouping may hold it
+                status, view = codec.verify_heads(
+                    block_hash, header, memoryview(body if isinstance(body, bytes) else b""), run
+                )
+                if view is None:
+                    refused.append(store._keys((block_hash,), salt)[0])
+                    self._counters.add(**{_REFUSED[status]: 1})
+                else:
+                    pieces.append(view)
+            if len(pieces) != len(parts):
+                out.append(None)
+                continue
+            out.append(pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces)))
+            counts["loaded_blocks"] += 1
+            counts["loaded_bytes"] += len(out[-1])  # type: ignore[arg-type]
+        self._counters.add(**counts)
+        if refused:  # never served again: drop them now
+            self.client.delete(*refused)
+        return out
 
 
 def split_heads(rows: Sequence[Payload], heads: int) -> list[memoryview]:
@@ -193,51 +331,4 @@ def split_heads(rows: Sequence[Payload], heads: int) -> list[memoryview]:
     return out
 
 
-class HeadShardKVStore:
-    """One worker's heads of the shared tier as a data-plane `BlockStore`: a row of
-    `layout` is the worker's heads one after the other (`shard.count` equal values)."""
-
-    def __init__(self, store: HeadKeyedStore, layout: KVLayout, shard: HeadShard) -> None:
-        if shard.total != store.heads:
-            raise ValueError(f"a shard of {shard.total} heads over a store of {store.heads}")
-        if layout.bytes_per_block % shard.count:
-            raise ValueError(
-                f"a row of {layout.bytes_per_block} bytes does not cut into {shard.count} heads"
-            )
-        self.store = store
-        self.shard = shard
-        self._layout = layout
-
-    @property
-    def layout(self) -> KVLayout:
-        return self._layout
-
-    def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
-        remote = remote_spec(spec, blocks)
-        if not self.shard.writes:  # another worker holds the same bytes and writes them
-            return
-        values = split_heads(blocks, self.shard.count)
-        if not self.store.store_heads(remote.block_hashes, self.shard.heads, values, remote.salt):
-            raise RemoteStoreError(
-                f"remote store of {len(blocks)} blocks (heads {self.shard.heads}) failed"
-            )
-
-    def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
-        remote = remote_spec(spec, blocks)
-        heads = self.shard.heads
-        values = self.store.load_heads(remote.block_hashes, heads, remote.salt)
-        rows = split_heads(blocks, self.shard.count)
-        for i, (row, value) in enumerate(zip(rows, values, strict=True)):
-            if value is None or len(value) != len(row):
-                block_hash = remote.block_hashes[i // len(heads)]
-                head = heads[i % len(heads)]
-                size = "absent or refused" if value is None else f"{len(value)} bytes"
-                raise BlockLoadError(
-                    f"remote block {block_hash.hex()} head {head} not servable ({size}, "
-                    f"expected {len(row)} verified bytes); recompute it"
-                )
-        guard: LoadGuard | None = getattr(remote, "guard", None)  # a deadline, see LoadGuard
-        with contextlib.nullcontext() if guard is None else guard.copying("a remote load"):
-            for row, value in zip(rows, values, strict=True):
-                assert value is not None  # checked above
-                row[:] = value
+__all__ = ["HeadGroup", "HeadKeyedStore", "grouping", "split_heads"]

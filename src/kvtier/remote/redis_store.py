@@ -158,16 +158,13 @@ class RedisBlockStore:
         if not block_hashes:
             return 0
         keys = self._keys(block_hashes, salt)
-        script = self._prefix_script
-        if script is not None and len(keys) > 1:
-            call = partial(self._scripted_prefix, script, keys, block_hashes)
-        else:
-            call = partial(self._pipelined_prefix, keys, block_hashes)
-        found: tuple[int, bytes] | None = self._guarded("lookup", call, None)
+        expected = [self.codec.expected_prefix(h) for h in block_hashes]
+        call = partial(self._walk_prefixes, [keys], [expected])
+        found: list[tuple[int, bytes]] | None = self._guarded("lookup", call, None)
         if found is None:
             self._counters.add(lookups=1)
             return None
-        return self._counted(block_hashes, *found)
+        return self._counted(block_hashes, *found[0])
 
     def try_count_prefixes(
         self, questions: Sequence[Sequence[bytes]], salt: str | None = None
@@ -180,7 +177,8 @@ class RedisBlockStore:
             found = self.try_count_prefix(questions[0], salt)
             return None if found is None else [found]
         keys = [self._keys(q, salt) for q in questions]
-        call = partial(self._pipelined_prefixes, keys, questions)
+        expected = [[self.codec.expected_prefix(h) for h in q] for q in questions]
+        call = partial(self._walk_prefixes, keys, expected)
         answers: list[tuple[int, bytes]] | None = self._guarded("lookup", call, None)
         if answers is None:
             self._counters.add(lookups=len(questions))
@@ -268,58 +266,46 @@ class RedisBlockStore:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _pipelined_prefix(
-        self, keys: list[bytes], block_hashes: Sequence[bytes]
-    ) -> tuple[int, bytes]:
-        """(leading valid blocks, header of the refused block that stopped them or b"")."""
-        return self._pipelined_prefixes([keys], [block_hashes])[0]
+    def sibling(self, codec: BlockCodec) -> RedisBlockStore:
+        """A store of values encoded by `codec` (its own key namespace, from its
+        fingerprint digest) over this one's connection, breaker and counters: one tier
+        whose values come in several kinds (`head_keys`' head groups)."""
+        other = RedisBlockStore.__new__(RedisBlockStore)
+        other.__dict__.update(self.__dict__)
+        other.codec = codec
+        other._base = f"{self.config.key_prefix}:{codec.fp_digest[:8].hex()}:".encode()
+        other._namespaces = {}
+        return other
 
-    def _pipelined_prefixes(
-        self, keys: list[list[bytes]], questions: Sequence[Sequence[bytes]]
+    def _walk_prefixes(
+        self, keys: list[list[bytes]], expected: list[list[bytes]]
     ) -> list[tuple[int, bytes]]:
-        """`_pipelined_prefix` of each question, in one pipeline."""
+        """For each question (a run of keys), how many leading values start with their
+        expected bytes, and the header of the value that stopped the walk (b"" if absent
+        or none did): one round trip (the lookup script for one question on one node,
+        else a pipeline). Unguarded: the caller guards it."""
+        script = self._prefix_script
+        if script is not None and len(keys) == 1 and len(keys[0]) > 1:
+            try:
+                num_hits, stopper = script(keys=keys[0], args=expected[0])
+            except ResponseError as exc:  # a server without scripting: pipeline for good
+                log.warning(
+                    "remote tier %s: lookup script refused (%s); pipelining", self._where(), exc
+                )
+                self._prefix_script = None
+            else:
+                return [(int(num_hits), bytes(stopper))]
         pipe = self.client.pipeline(transaction=False)
-        for question_keys in keys:
-            for key in question_keys:
+        for question in keys:
+            for key in question:
                 pipe.getrange(key, 0, HEADER_SIZE - 1)
         replies = pipe.execute(raise_on_error=False)  # a key of another type: refused, below
         answers, start = [], 0
-        for block_hashes in questions:
-            answers.append(
-                self._prefix_of(block_hashes, replies[start : start + len(block_hashes)])
-            )
-            start += len(block_hashes)
+        for question_expected in expected:
+            end = start + len(question_expected)
+            answers.append(_prefix_of(question_expected, replies[start:end]))
+            start = end
         return answers
-
-    def _prefix_of(self, block_hashes: Sequence[bytes], replies: list[Any]) -> tuple[int, bytes]:
-        check = self.codec.check_prefix
-        for i, (block_hash, prefix) in enumerate(zip(block_hashes, replies, strict=True)):
-            if isinstance(prefix, ResponseError):
-                return i, b"not a string value"
-            if not prefix:
-                return i, b""
-            if check(block_hash, prefix) is not DecodeStatus.OK:
-                return i, prefix
-        return len(block_hashes), b""
-
-    def _scripted_prefix(
-        self, script: Script, keys: list[bytes], block_hashes: Sequence[bytes]
-    ) -> tuple[int, bytes]:
-        """The same walk inside Redis: one command, one integer back, not N replies.
-
-        Single node only (a cluster would refuse keys of several slots). A server
-        without scripting falls back to the pipeline for good.
-        """
-        expected = [self.codec.expected_prefix(h) for h in block_hashes]
-        try:
-            num_hits, stopper = script(keys=keys, args=expected)
-        except ResponseError as exc:
-            log.warning(
-                "remote tier %s: lookup script refused (%s); pipelining", self._where(), exc
-            )
-            self._prefix_script = None
-            return self._pipelined_prefix(keys, block_hashes)
-        return int(num_hits), bytes(stopper)
 
     def _pipeline_get(self, keys: list[bytes]) -> list[Any]:
         """MGET on one node (one command to pack and one reply to parse, not N);
@@ -370,6 +356,18 @@ class RedisBlockStore:
 
     def _where(self) -> str:
         return self.config.redacted_url()
+
+
+def _prefix_of(expected: Sequence[bytes], replies: list[Any]) -> tuple[int, bytes]:
+    """(leading replies that start with their expected bytes, the stopper's header)."""
+    for i, (want, prefix) in enumerate(zip(expected, replies, strict=True)):
+        if isinstance(prefix, ResponseError):
+            return i, b"not a string value"
+        if not prefix:
+            return i, b""
+        if prefix[: len(want)] != want:
+            return i, bytes(prefix)
+    return len(expected), b""
 
 
 def _tls_failure(exc: BaseException | None) -> bool:

@@ -19,7 +19,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvtier.remote.head_keys import HeadKeyedStore, HeadShard, HeadShardKVStore
+from kvtier.remote.head_keys import HeadKeyedStore
+from kvtier.remote.head_shard import HeadShard, HeadShardKVStore
 from kvtier.remote.kv_store import RedisKVStore
 from kvtier.remote.redis_store import RedisBlockStore
 from kvtier.remote.remote_config import RemoteConfig
@@ -58,12 +59,14 @@ class RemoteTier:
         block_size: int,
         clock: Callable[[], float] = time.monotonic,
         heads: int | None = None,
+        group_heads: int | None = None,
         **options: Any,
     ) -> RemoteTier:
         """Connect (a wrong password raises `RemoteStartupError` here; a down server does not).
 
-        `heads`: keep each block as that many values, one per KV head (`head_keys`), so
-        engines of every tensor-parallel size share them; None: one value per block.
+        `heads`: keep each block by KV head (`head_keys`), so engines of every
+        tensor-parallel size share them, this engine's workers writing `group_heads` heads
+        a value (default all of them); None: one value per block, for this layout only.
         `options` are `RemoteConfig` fields (password, socket_timeout_s, ttl_s,
         cluster_nodes, breaker, ...); an unknown one is a ValueError naming the known.
         """
@@ -75,7 +78,8 @@ class RemoteTier:
         fingerprint = fingerprint_of(layout_fingerprint)
         if heads is None:
             return cls(RedisBlockStore.connect(config, fingerprint, clock), block_size)
-        return cls(HeadKeyedStore.connect_heads(config, fingerprint, heads, clock), block_size)
+        store = HeadKeyedStore.connect_heads(config, fingerprint, heads, group_heads, clock)
+        return cls(store, block_size)
 
     def manager(
         self,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import redis
 
-from kvtier.remote.codec import HEADER_SIZE, BlockCodec
+from kvtier.remote.codec import BlockCodec
 from kvtier.remote.remote_config import RedisClient
 
 # Walk the keys in order and stop at the first whose header does not start with
@@ -60,8 +60,9 @@ def send_sets(
     chunks: list[bytes | memoryview] = []
     pending: list[bytes | memoryview] = []  # small pieces, joined into one send
     separator = b""
+    header_size = codec.header_size
     for key, block_hash, row in zip(keys, block_hashes, rows, strict=True):
-        head = b"%d\r\n%s\r\n$%d\r\n" % (len(key), key, HEADER_SIZE + len(row))
+        head = b"%d\r\n%s\r\n$%d\r\n" % (len(key), key, header_size + len(row))
         pending += (separator, argc, head, codec.header(block_hash, row))
         if len(row) < _SEPARATE_SEND_BYTES:
             pending.append(row)
@@ -113,7 +114,7 @@ def buffered_sets(
     ttl_s: int | None,
 ) -> bool:
     """A cluster: a pipeline (routed per node) of values built in reused buffers."""
-    values = buffers.get(len(rows), max(map(len, rows)) + HEADER_SIZE)
+    values = buffers.get(len(rows), max(map(len, rows)) + codec.header_size)
     pipe = client.pipeline(transaction=False)
     for key, buffer, block_hash, row in zip(keys, values, block_hashes, rows, strict=False):
         pipe.set(key, codec.encode_into(buffer, block_hash, row), ex=ttl_s)

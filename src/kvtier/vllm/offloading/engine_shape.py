@@ -40,7 +40,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.connector.tier_config import TierConfig
-from kvtier.remote.head_keys import HeadShard
+from kvtier.remote.head_shard import HeadShard
 from kvtier.store.diskdir import list_blocks
 from kvtier.store.layout import KVLayout
 from kvtier.types import BlockHash

@@ -120,6 +120,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             disk=backing,
             remote_key=self.layout if sharing is None else sharing.shared,
             remote_heads=None if sharing is None else sharing.shard.total,
+            remote_group_heads=None if sharing is None else sharing.shard.count,
             async_lookup=True,
         )
         remote: KvtierManager | None = tiers.remote_manager
@@ -206,6 +207,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 self.sharing.shared,
                 block_size=self.block_size,
                 heads=self.sharing.shard.total,
+                group_heads=self.sharing.shard.count,
                 **cfg.redis_options(),
             )
         return RemoteTier.from_url(
