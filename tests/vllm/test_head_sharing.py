@@ -22,6 +22,7 @@ with quiet():
         CanonicalKVCaches,
         CanonicalPageMapping,
         CopyRun,
+        ReqContext,
     )
 
     from kvtier.remote.head_shard import HeadShard
@@ -96,7 +97,10 @@ def test_a_corrupt_head_on_one_worker_is_recomputed_on_all(
     assert errors == {8, 9, 10}  # worker 1's part failed: vLLM recomputes it on both
     assert report.remote_corrupt == 1
     assert client.get(key) is None  # dropped: never offered again
-    # vLLM asks block by block and loads up to the first miss
+    # the request that loaded them recomputes them; another asks block by block and
+    # loads up to the first miss
+    assert found(reader, keys) == [False] * 3
+    reader.ctx = ReqContext(req_id="another request")
     assert found(reader, keys) == [True, False, True]
     assert found(engine(engines, redis.url, 1), keys) == [True, False, True]
 
