@@ -10,8 +10,13 @@ device blocks lands in one contiguous run. A block's bytes as a whole (what the 
 format and checksums see) are its segments concatenated in layout order: `slot_parts`.
 For the cross-layer layout there is one segment, so the buffer is plain slot rows.
 
-One allocation up front means no per-block allocation on the hot path, and with CUDA
-the buffer is pinned so device copies run asynchronously on a copy stream.
+One allocation up front means no per-block allocation on the hot path. Without CUDA
+the buffer is a private anonymous mapping: the kernel gives it a zeroed page on the
+page's first write, so the tier costs resident memory only for the slots written so
+far (a 1 GiB tier is not 1 GiB of RSS at start; `CPUBackend(reuse_freed_first=True)`
+keeps the slots written few). With CUDA the buffer is pinned so device copies run
+asynchronously on a copy stream; page-locked memory is resident by definition
+(`cudaHostAlloc` maps and locks every page), so it is allocated whole as before.
 
 Checksums are optional here (`checksums=True`): host RAM does not tear or rot like a
 disk, and hashing every block costs about as much as copying it, which would halve
@@ -21,6 +26,8 @@ verified before it is read; a mismatch fails the load and is counted.
 
 from __future__ import annotations
 
+import math
+import mmap
 import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, overload
@@ -59,7 +66,7 @@ class MemoryStore:
         self.num_slots = num_slots
         self.checksums = checksums
         shape = (layout.num_segments, num_slots, layout.segment_bytes)
-        self.buffer: torch.Tensor = torch.zeros(shape, dtype=torch.uint8, pin_memory=pin_memory)
+        self.buffer: torch.Tensor = host_buffer(shape, pin_memory=pin_memory)
         self._arrays: list[npt.NDArray[np.uint8]] = list(self.buffer.numpy())
         # Flat byte views of the planes: a slot's segment is a slice (about 0.1 us), where
         # a numpy row's buffer export costs microseconds, paid per block and segment.
@@ -147,6 +154,19 @@ class MemoryStore:
             if memoryview(block).nbytes != size:
                 raise ValueError(f"block of {memoryview(block).nbytes} bytes, layout needs {size}")
         return slots
+
+
+def host_buffer(shape: tuple[int, ...], *, pin_memory: bool) -> torch.Tensor:
+    """A zeroed uint8 tensor of `shape` in host memory: pinned (resident, allocated by
+    CUDA) or a private anonymous mapping whose pages become resident when first written.
+    The tensor holds the mapping; it is unmapped when the last view of it goes."""
+    import torch
+
+    if pin_memory:
+        return torch.zeros(shape, dtype=torch.uint8, pin_memory=True)
+    size = math.prod(shape)
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(shape)
 
 
 def block_segments(
