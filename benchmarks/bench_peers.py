@@ -24,7 +24,7 @@ Rows:
    bench_serving, smaller), through `load_client`;
 3. a returning 4,096-token prompt on the 0.5B-shaped model from each side's CPU store
    and from its local disk after a restart, against recompute (`peer_restart`, one
-   engine at a time, one run each);
+   engine at a time; `--repeats` returns from CPU memory and as many restarts);
 4. peak memory of each side's processes (`peer_memory`: the engine and its engine core;
    LMCache's server too);
 5. each run's hits from each side's own counters: vLLM's pool and external prefix-cache
@@ -362,7 +362,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="the tiny model, small workloads")
     parser.add_argument(
-        "--repeats", type=int, default=2, help="plays of the whole grid (>= 2: a spread)"
+        "--repeats",
+        type=int,
+        default=2,
+        help="plays of the whole grid; the restart row's returns and restarts (>= 2: a spread)",
     )
     parser.add_argument(
         "--peers",
@@ -412,8 +415,15 @@ def main(argv: list[str] | None = None) -> None:
             result = bench(setup, Path(tmp), peers_bin, args.repeats, args.lmcache_chunk_size,
                            args.lmcache_eviction)  # fmt: skip
         if args.only != "load" and not args.quick:
-            result["restart"] = restart_row(Path(tmp), peers_bin)
+            restart = restart_row(Path(tmp), peers_bin, returns=args.repeats, restarts=args.repeats)
+            result["restart"] = restart
     result |= {"shape": shape, "repeats": args.repeats, "wall_s": time.perf_counter() - started}
+    for v in result.get("restart", {}).get("verdicts", []):
+        print(
+            f"restart row: {v['target']}: kvtier {v['kvtier_s']:.3f} s (spread "
+            f"{v['kvtier_spread']:.0%}), LMCache {v['lmcache_s']:.3f} s (spread "
+            f"{v['lmcache_spread']:.0%}): x{v['ratio']:.2f} {'met' if v['met'] else 'NOT met'}"
+        )
     for row, lines in result.get("verdicts", {}).items():
         for v in lines:
             print(

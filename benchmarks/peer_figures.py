@@ -237,6 +237,32 @@ def verdicts(
     return lines
 
 
+RESTART_RETURNS = {"pool forgot": "from CPU memory", "restarted": "from disk after a restart"}
+
+
+def restart_verdicts(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The restart row's targets: kvtier's return no slower than LMCache's, from CPU memory
+    and from disk after a restart. `row[side][step]`: that step's returns (`s`: seconds,
+    `connector_tokens`). Medians over the returns, each side's spread, the fewest tokens
+    a return took from the connector (a return that recomputed shows there); met only
+    where kvtier is ahead by more than the spread."""
+    lines = []
+    for step, what in RESTART_RETURNS.items():
+        returns = {side: row[side].get(step, []) for side in ("kvtier", "lmcache")}
+        if not all(returns.values()):
+            continue
+        seconds = {side: [r["s"] for r in got] for side, got in returns.items()}
+        c = Comparison.of(seconds["kvtier"], seconds["lmcache"])
+        line: dict[str, Any] = {"target": f"{what}: no slower than LMCache's"}
+        for side, values in seconds.items():
+            line[f"{side}_s"] = statistics.median(values)
+            line[f"{side}_spread"] = spread(values)
+            line[f"{side}_min_connector_tokens"] = min(r["connector_tokens"] for r in returns[side])
+        line |= {"ratio": c.ratio, "spread": c.spread, "decisive": c.decisive}
+        lines.append(line | {"met": c.ratio < 1 and c.decisive})
+    return lines
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     """The README's table: per row, rate and side, the median over the repeats (and the
     spread of requests/s), and the tokens the engine took from its pool and its

@@ -19,6 +19,7 @@ from benchmarks.peer_figures import (
     delta,
     fairness_problems,
     markdown_table,
+    restart_verdicts,
     side_orders,
     spread,
     verdicts,
@@ -218,3 +219,29 @@ def test_memory_peaks_of_a_child_session() -> None:
     assert got["none"] == {"peak_pss_mib": 0.0, "sum_peak_rss_mib": 0.0, "processes": 0}
     with pytest.raises(ValueError, match="interval_s=0"):
         MemoryPeaks({}, interval_s=0)
+
+
+def test_restart_verdicts_compare_the_medians_of_each_sides_returns() -> None:
+    def returns(*seconds: float, tokens: float = 4096.0) -> list[dict[str, float]]:
+        return [{"s": s, "pool_tokens": 0.0, "connector_tokens": tokens} for s in seconds]
+
+    row = {
+        "kvtier": {"cold": returns(20.0), "pool forgot": returns(0.10, 0.11, 0.10),
+                   "restarted": returns(0.31, 0.16, 0.20)},
+        "lmcache": {"cold": returns(20.5), "pool forgot": returns(0.14, 0.13, 0.14),
+                    "restarted": returns(0.27, 0.26, 0.26, tokens=4095.0)},
+    }  # fmt: skip
+    cpu, disk = restart_verdicts(row)
+    assert cpu["target"].startswith("from CPU memory")
+    assert cpu["kvtier_s"] == 0.10 and cpu["lmcache_s"] == 0.14
+    assert cpu["ratio"] == pytest.approx(0.10 / 0.14)
+    assert cpu["spread"] == pytest.approx(0.01 / 0.10)  # kvtier's, the larger
+    assert cpu["met"] and cpu["decisive"]
+    # from disk: faster at the median (0.20 / 0.26), but kvtier's returns spread by 75%
+    assert disk["ratio"] == pytest.approx(0.20 / 0.26)
+    assert disk["kvtier_spread"] == pytest.approx(0.15 / 0.20)
+    assert disk["lmcache_min_connector_tokens"] == 4095.0
+    assert not disk["decisive"] and not disk["met"]
+    # a side without returns of a step (an older result): no line for it
+    del row["lmcache"]["restarted"]
+    assert [v["target"] for v in restart_verdicts(row)] == [cpu["target"]]
