@@ -32,6 +32,9 @@ Rows:
    counters contradict its side (no tier hits on a reuse workload, prompts that differ
    from the first side's) is listed under `problems`.
 
+At saturation on the reuse rows, `ceilings` bounds kvtier's lead over LMCache by the
+prompt tokens each side had to compute (`peer_figures.saturation_ceilings`).
+
 The whole grid is played `--repeats` times (repeats outermost, so that the machine's load
 changes between them); each figure's spread over the repeats is reported, and a
 verdict is met only by more than that spread (`peer_figures.verdicts`).
@@ -62,6 +65,7 @@ from benchmarks.peer_figures import (
     delta,
     fairness_problems,
     markdown_table,
+    saturation_ceilings,
     side_orders,
     verdicts,
 )
@@ -331,7 +335,8 @@ def bench(
             runs = play_grid(Bench(servers, lmcache), plays, repeats)
             out["memory"] = memory.stop()
     reuse = {row: r for row, r, *_ in plays}
-    return {**out, "runs": runs, "verdicts": summarize(runs, reuse)}
+    ceilings = saturation_ceilings(runs, [row for row, r in reuse.items() if r])
+    return {**out, "runs": runs, "verdicts": summarize(runs, reuse), "ceilings": ceilings}
 
 
 def _client_play(
@@ -423,6 +428,12 @@ def main(argv: list[str] | None = None) -> None:
             f"restart row: {v['target']}: kvtier {v['kvtier_s']:.3f} s (spread "
             f"{v['kvtier_spread']:.0%}), LMCache {v['lmcache_s']:.3f} s (spread "
             f"{v['lmcache_spread']:.0%}): x{v['ratio']:.2f} {'met' if v['met'] else 'NOT met'}"
+        )
+    for c in result.get("ceilings", []):
+        print(
+            f"{c['row']} all at once: computed prompt tokens {c['computed_tokens']}; "
+            f"kvtier at most x{c['ceiling']:.2f} LMCache's requests/s at vLLM alone's rate "
+            f"({c['alone_tokens_per_s']:.0f} tokens/s), x{c['achieved']:.2f} achieved"
         )
     for row, lines in result.get("verdicts", {}).items():
         for v in lines:

@@ -237,6 +237,51 @@ def verdicts(
     return lines
 
 
+def computed_tokens(engine: Mapping[str, float]) -> float:
+    """Prompt tokens the engine computed: neither from its pool nor from the connector."""
+    return engine["prompt_tokens"] - engine["pool_hits"] - engine["external_hits"]
+
+
+def saturation_ceilings(
+    runs: Sequence[Mapping[str, Any]], rows: Sequence[str]
+) -> list[dict[str, Any]]:
+    """How far ahead of LMCache kvtier could be at saturation on each of `rows`, from the
+    tokens each side had to compute itself.
+
+    A side's run takes at least the time to compute its non-cached prompt tokens. Timed at
+    vLLM alone's own rate in the same run (its computed prompt tokens over its run's
+    seconds, its answers' decoding counted as if it were prefill: so the rate is low, the
+    best time estimated for kvtier short, and the ceiling high), kvtier's best is
+    `computed / rate`, and its ceiling over LMCache is LMCache's seconds over that best:
+    where both sides found the same tokens, no load however fast takes kvtier further.
+    Medians over the repeats; a run's seconds are its requests over its requests/s."""
+    out = []
+    for row in rows:
+        got = [r for r in runs if r["row"] == row and r["rate"] is None]
+        if not got or not all(side in got[0] for side in ("vllm", "kvtier", "lmcache")):
+            continue
+        tokens, seconds = {}, {}
+        for side in ("vllm", "kvtier", "lmcache"):
+            tokens[side] = statistics.median(computed_tokens(r[side]["engine"]) for r in got)
+            seconds[side] = statistics.median(
+                r[side]["client"]["completed"] / r[side]["client"]["requests_per_s"] for r in got
+            )
+        rate = tokens["vllm"] / seconds["vllm"]
+        best = tokens["kvtier"] / rate
+        out.append(
+            {
+                "row": row,
+                "computed_tokens": tokens,
+                "seconds": seconds,
+                "alone_tokens_per_s": rate,
+                "kvtier_best_s": best,
+                "ceiling": seconds["lmcache"] / best,
+                "achieved": seconds["lmcache"] / seconds["kvtier"],
+            }
+        )
+    return out
+
+
 RESTART_RETURNS = {"pool forgot": "from CPU memory", "restarted": "from disk after a restart"}
 
 

@@ -20,6 +20,7 @@ from benchmarks.peer_figures import (
     fairness_problems,
     markdown_table,
     restart_verdicts,
+    saturation_ceilings,
     side_orders,
     spread,
     verdicts,
@@ -245,3 +246,27 @@ def test_restart_verdicts_compare_the_medians_of_each_sides_returns() -> None:
     # a side without returns of a step (an older result): no line for it
     del row["lmcache"]["restarted"]
     assert [v["target"] for v in restart_verdicts(row)] == [cpu["target"]]
+
+
+def test_the_saturation_ceiling_from_the_tokens_each_side_computed() -> None:
+    def side(rps: float, pool: float, external: float) -> dict[str, object]:
+        engine = {"pool_hits": pool, "external_hits": external, "prompt_tokens": 25_000.0}
+        client = {"completed": 24, "requests_per_s": rps}
+        return {"client": client, "engine": engine}
+
+    runs = [
+        # vLLM alone computes 24,800 tokens in 10 s: 2,480 a second; kvtier and LMCache
+        # found the same 12,400 tokens, so kvtier's best is 5 s against LMCache's 6 s
+        {"row": "multi_turn", "rate": None, "vllm": side(2.4, 200, 0),
+         "kvtier": side(4.0, 1_000, 11_400), "lmcache": side(4.0, 400, 12_000)},
+        {"row": "multi_turn", "rate": 1.0, "vllm": side(1, 0, 0),
+         "kvtier": side(1, 0, 0), "lmcache": side(1, 0, 0)},
+        {"row": "random", "rate": None, "vllm": side(1, 0, 0)},  # no peers: no ceiling
+    ]  # fmt: skip
+    (line,) = saturation_ceilings(runs, ["multi_turn", "random", "documents"])
+    assert line["row"] == "multi_turn"
+    assert line["computed_tokens"] == {"vllm": 24_800, "kvtier": 12_600, "lmcache": 12_600}
+    assert line["alone_tokens_per_s"] == pytest.approx(2_480)
+    assert line["kvtier_best_s"] == pytest.approx(12_600 / 2_480)
+    assert line["ceiling"] == pytest.approx(6.0 / (12_600 / 2_480))
+    assert line["achieved"] == pytest.approx(1.0)
