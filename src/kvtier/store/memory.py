@@ -26,6 +26,7 @@ verified before it is read; a mismatch fails the load and is counted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import threading
@@ -158,14 +159,21 @@ class MemoryStore:
 
 def host_buffer(shape: tuple[int, ...], *, pin_memory: bool) -> torch.Tensor:
     """A zeroed uint8 tensor of `shape` in host memory: pinned (resident, allocated by
-    CUDA) or a private anonymous mapping whose pages become resident when first written.
-    The tensor holds the mapping; it is unmapped when the last view of it goes."""
+    CUDA) or a private anonymous mapping whose pages become resident when first written,
+    in transparent huge pages (2 MiB) where the kernel offers them. With slots used from
+    0 up (`CPUBackend`), what is resident is then the used slots' bytes plus at most one
+    part-filled huge page per segment plane. The tensor holds the mapping; it is unmapped
+    when the last view of it goes."""
     import torch
 
     if pin_memory:
         return torch.zeros(shape, dtype=torch.uint8, pin_memory=True)
     size = math.prod(shape)
     mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages here
+        # a first write of a 4 KiB page costs a fault and its zeroing: four times a copy
+        # into a written one (96 MiB: 105 ms against 24 ms); huge pages take 16-32 ms
+        mapping.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mapping, dtype=torch.uint8).view(shape)
 
 
