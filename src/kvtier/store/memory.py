@@ -178,15 +178,19 @@ def host_buffer(shape: tuple[int, ...], *, pin_memory: bool) -> torch.Tensor:
 
 
 def block_segments(
-    planes: Sequence[memoryview], segment_bytes: int, ids: Iterable[int]
+    planes: Sequence[memoryview], segment_bytes: int, ids: Iterable[int], stride: int = 0
 ) -> list[list[memoryview]]:
     """Block `i`'s segments, for each `i` in `ids`: row `i` of every flat byte plane, in
-    layout order (views, no copy). Slicing a flat `memoryview` costs about 0.1 us, where
-    a numpy row's buffer export costs microseconds, paid per block and segment."""
+    layout order (views, no copy). `stride`: the bytes from one block's row to the next
+    in every plane (default `segment_bytes`: rows back to back; vLLM's pages put a
+    block's K and V rows side by side, a page apart). Slicing a flat `memoryview` costs
+    about 0.1 us, where a numpy row's buffer export costs microseconds, paid per block
+    and segment."""
+    step = stride or segment_bytes
     views = []
     for i in ids:
-        piece = slice(i * segment_bytes, (i + 1) * segment_bytes)  # one slice object for
-        views.append([plane[piece] for plane in planes])  # all segments: a third cheaper
+        piece = slice(i * step, i * step + segment_bytes)  # one slice object for all
+        views.append([plane[piece] for plane in planes])  # segments: a third cheaper
     return views
 
 
