@@ -2,7 +2,7 @@
 
     make peers   # LMCache 0.5.6 in .venv-peers, over the project's vLLM
     flock -x ../engine.lock .venv/bin/python -m benchmarks.bench_peers [--quick]
-        [--only load|restart] [--repeats N]
+        [--only load|restart] [--repeats N] [--rows random,multi_turn,...]
     .venv/bin/python -m benchmarks.bench_peers --table benchmarks/results/peers-load.json
 
 Writes benchmarks/results/peers.json (peers-load.json, peers-restart.json with --only;
@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -294,8 +294,15 @@ def summarize(runs: list[dict[str, Any]], reuse: dict[str, bool]) -> dict[str, A
 
 
 def bench(
-    setup: Setup, workdir: Path, peers_bin: Path, repeats: int, lmcache_chunk: int, eviction: str
+    setup: Setup,
+    workdir: Path,
+    peers_bin: Path,
+    repeats: int,
+    lmcache_chunk: int,
+    eviction: str,
+    rows: Collection[str] = (),
 ) -> dict[str, Any]:
+    """The load rows (all, or only `rows`: each keeps the workload it has in the grid)."""
     model = write_model(workdir / "model", setup.shape, weights=False)
     write_tokenizer(model, setup.shape.vocab)
     # a capacity for every side: 32x the engine's pool, in whole MiB for LMCache
@@ -332,6 +339,7 @@ def bench(
                     plays.append(
                         (name, True, rate, workload.requests, _chat_play(workload, rate, i))
                     )
+            plays = [p for p in plays if not rows or p[0] in rows]
             runs = play_grid(Bench(servers, lmcache), plays, repeats)
             out["memory"] = memory.stop()
     reuse = {row: r for row, r, *_ in plays}
@@ -395,6 +403,9 @@ def main(argv: list[str] | None = None) -> None:
         choices=("LRU", "ARC"),
         help="LMCache's L1 eviction policy",
     )
+    parser.add_argument(
+        "--rows", help="only these load rows, comma-separated (e.g. random,multi_turn)"
+    )
     parser.add_argument("--table", type=Path, help="print a result's table, run nothing")
     args = parser.parse_args(argv)
     if args.table is not None:
@@ -408,6 +419,10 @@ def main(argv: list[str] | None = None) -> None:
     if not (peers_bin / "lmcache").exists():
         parser.error(f"--peers {args.peers}: no LMCache there; run `make peers` first")
     setup = quick_setup() if args.quick else full_setup()
+    known = [d.name for d in setup.datasets] + list(setup.chats)
+    rows = [r for r in args.rows.split(",") if r] if args.rows else []
+    if any(r not in known for r in rows):
+        parser.error(f"--rows {args.rows}: the load rows are {', '.join(known)}")
     shape = asdict(setup.shape) | {"block_size": BLOCK, "pool_blocks": setup.pool_blocks}
     started = time.perf_counter()
     with (
@@ -418,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
         result: dict[str, Any] = {}
         if args.only != "restart":
             result = bench(setup, Path(tmp), peers_bin, args.repeats, args.lmcache_chunk_size,
-                           args.lmcache_eviction)  # fmt: skip
+                           args.lmcache_eviction, rows)  # fmt: skip
         if args.only != "load" and not args.quick:
             restart = restart_row(Path(tmp), peers_bin, returns=args.repeats, restarts=args.repeats)
             result["restart"] = restart
@@ -442,6 +457,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"(spread {v['spread']}) {'met' if v['met'] else 'NOT met'}"
             )
     name = ("peers-quick" if args.quick else "peers") + (f"-{args.only}" if args.only else "")
+    if rows:  # a part of the grid: its own file
+        name += "-" + "-".join(rows)
     if (args.lmcache_chunk_size, args.lmcache_eviction) != (BLOCK, "LRU"):  # a variant's own file
         name += f"-lmcache-{args.lmcache_chunk_size}-{args.lmcache_eviction.lower()}"
     print(write_result(name, result))
