@@ -449,6 +449,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{c['row']} all at once: computed prompt tokens {c['computed_tokens']}; "
             f"kvtier at most x{c['ceiling']:.2f} LMCache's requests/s at vLLM alone's rate "
             f"({c['alone_tokens_per_s']:.0f} tokens/s), x{c['achieved']:.2f} achieved"
+            + (
+                f"; fitted: {c['fit']['fixed_s']:.2f} s fixed + {c['fit']['per_token_ms']:.3f} "
+                f"ms a token, kvtier at most x{c['fit']['ceiling']:.2f}"
+                if c["fit"]
+                else ""
+            )
         )
     for row, lines in result.get("verdicts", {}).items():
         for v in lines:

@@ -254,6 +254,12 @@ def saturation_ceilings(
     best time estimated for kvtier short, and the ceiling high), kvtier's best is
     `computed / rate`, and its ceiling over LMCache is LMCache's seconds over that best:
     where both sides found the same tokens, no load however fast takes kvtier further.
+
+    Tighter (`fit`): a run's seconds as `fixed + per_token * computed`, fitted through
+    vLLM alone's run and LMCache's (the same requests and answers: `fixed` is what does
+    not shrink with cached tokens, the answers' decoding and the steps' overhead); kvtier's
+    floor is that line at its own computed tokens. Only where the two computed counts
+    differ by at least `MIN_FIT_SPREAD` of vLLM alone's (else the line is noise: None).
     Medians over the repeats; a run's seconds are its requests over its requests/s."""
     out = []
     for row in rows:
@@ -276,10 +282,33 @@ def saturation_ceilings(
                 "alone_tokens_per_s": rate,
                 "kvtier_best_s": best,
                 "ceiling": seconds["lmcache"] / best,
+                "fit": _fitted_floor(tokens, seconds),
                 "achieved": seconds["lmcache"] / seconds["kvtier"],
             }
         )
     return out
+
+
+MIN_FIT_SPREAD = 0.1
+
+
+def _fitted_floor(
+    tokens: Mapping[str, float], seconds: Mapping[str, float]
+) -> dict[str, float] | None:
+    """`saturation_ceilings`' line through vLLM alone's and LMCache's runs, and kvtier's
+    floor and ceiling on it."""
+    gap = tokens["vllm"] - tokens["lmcache"]
+    if abs(gap) < MIN_FIT_SPREAD * tokens["vllm"]:
+        return None
+    per_token = (seconds["vllm"] - seconds["lmcache"]) / gap
+    fixed = seconds["vllm"] - per_token * tokens["vllm"]
+    floor = fixed + per_token * tokens["kvtier"]
+    return {
+        "fixed_s": fixed,
+        "per_token_ms": per_token * 1000,
+        "kvtier_floor_s": floor,
+        "ceiling": seconds["lmcache"] / floor,
+    }
 
 
 RESTART_RETURNS = {"pool forgot": "from CPU memory", "restarted": "from disk after a restart"}

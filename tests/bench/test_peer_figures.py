@@ -278,3 +278,12 @@ def test_the_saturation_ceiling_from_the_tokens_each_side_computed() -> None:
     assert line["kvtier_best_s"] == pytest.approx(12_600 / 2_480)
     assert line["ceiling"] == pytest.approx(6.0 / (12_600 / 2_480))
     assert line["achieved"] == pytest.approx(1.0)
+    # the line through vLLM alone (24,800 tokens, 10 s) and LMCache (12,600, 6 s): 4 s
+    # for 12,200 tokens, so 2.07 s fixed; kvtier at LMCache's tokens sits on LMCache's 6 s
+    fit = line["fit"]
+    assert fit["per_token_ms"] == pytest.approx(4_000 / 12_200)
+    assert fit["fixed_s"] == pytest.approx(10 - 24_800 * 4 / 12_200)
+    assert fit["kvtier_floor_s"] == pytest.approx(6.0) and fit["ceiling"] == pytest.approx(1.0)
+    # LMCache computing about what vLLM alone does: no line through two close points
+    runs[0]["lmcache"] = side(4.0, 200, 900)
+    assert saturation_ceilings(runs, ["multi_turn"])[0]["fit"] is None
