@@ -248,8 +248,10 @@ class StagedHandler:
         # each plane's rows are a page apart): one stride for all planes, or staging rows.
         segments = kv.segments
         self._stride = segments[0].stride(0)
-        on_cpu = kv.device.type == "cpu" and not kv.is_cuda and all(
-            seg.stride() == (self._stride, 1) for seg in segments
+        on_cpu = (
+            kv.device.type == "cpu"
+            and not kv.is_cuda
+            and all(seg.stride() == (self._stride, 1) for seg in segments)
         )
         self._flat = [_flat_bytes(seg) for seg in segments] if on_cpu else []
         self._seg_bytes = kv.layout.segment_bytes
