@@ -2,7 +2,7 @@
 
     make peers   # LMCache 0.5.6 in .venv-peers, over the project's vLLM
     flock -x ../engine.lock .venv/bin/python -m benchmarks.bench_peers [--quick]
-        [--only load|restart] [--repeats N]
+        [--only load|restart] [--repeats N] [--rows random,multi_turn,...]
     .venv/bin/python -m benchmarks.bench_peers --table benchmarks/results/peers-load.json
 
 Writes benchmarks/results/peers.json (peers-load.json, peers-restart.json with --only;
@@ -24,13 +24,16 @@ Rows:
    bench_serving, smaller), through `load_client`;
 3. a returning 4,096-token prompt on the 0.5B-shaped model from each side's CPU store
    and from its local disk after a restart, against recompute (`peer_restart`, one
-   engine at a time, one run each);
+   engine at a time; `--repeats` returns from CPU memory and as many restarts);
 4. peak memory of each side's processes (`peer_memory`: the engine and its engine core;
    LMCache's server too);
 5. each run's hits from each side's own counters: vLLM's pool and external prefix-cache
    tokens, kvtier's per-tier blocks, LMCache's lookup and L1 counters; a run whose
    counters contradict its side (no tier hits on a reuse workload, prompts that differ
    from the first side's) is listed under `problems`.
+
+At saturation on the reuse rows, `ceilings` bounds kvtier's lead over LMCache by the
+prompt tokens each side had to compute (`peer_figures.saturation_ceilings`).
 
 The whole grid is played `--repeats` times (repeats outermost, so that the machine's load
 changes between them); each figure's spread over the repeats is reported, and a
@@ -41,18 +44,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_serving import BLOCK, SERVING
+from benchmarks.bench_serving import BLOCK
 from benchmarks.common import REPO_ROOT, write_result
 from benchmarks.peer_figures import (
     LMCACHE_COUNTERS,
@@ -62,11 +64,13 @@ from benchmarks.peer_figures import (
     delta,
     fairness_problems,
     markdown_table,
+    saturation_ceilings,
     side_orders,
     verdicts,
 )
 from benchmarks.peer_memory import MemoryPeaks
 from benchmarks.peer_restart import restart_row
+from benchmarks.peer_setups import INF, ClientDataset, Setup, full_setup, quick_setup
 from benchmarks.peer_sides import (
     LMCACHE_VERSION,
     LMCacheServer,
@@ -74,8 +78,8 @@ from benchmarks.peer_sides import (
     offloading_runs_here,
     side_configs,
 )
-from kvtier.vllm.engines import TINY, ModelShape, write_model
-from kvtier.vllm.engines.chat_workloads import Workload, documents, multi_turn, unique
+from kvtier.vllm.engines import write_model
+from kvtier.vllm.engines.chat_workloads import Workload, unique
 from kvtier.vllm.engines.load_client import Answer, LoadSummary, run_load, run_one_by_one
 from kvtier.vllm.engines.openai_server import (
     OpenAIServer,
@@ -85,78 +89,8 @@ from kvtier.vllm.engines.openai_server import (
 )
 from kvtier.vllm.engines.tokenizer import words, write_tokenizer
 
-INF = math.inf
 # a row's run: (row, reuse, offered rate, requests, the side's play of it)
 Play = tuple[str, bool, float, int, Callable[[OpenAIServer], ClientFigures]]
-
-
-@dataclass(frozen=True)
-class ClientDataset:
-    """One dataset of vLLM's serving client: its flags and the rates it is played at."""
-
-    name: str
-    reuse: bool
-    flags: tuple[str, ...]
-    prompts: int
-    rates: tuple[float, ...]  # inf: all at once
-
-
-@dataclass(frozen=True)
-class Setup:
-    shape: ModelShape
-    pool_blocks: int
-    max_model_len: int
-    datasets: tuple[ClientDataset, ...]
-    chats: dict[str, Callable[[int], Workload]]  # by name: seed -> workload
-    chat_rates: tuple[float, ...]
-
-
-def flags(**values: int) -> tuple[str, ...]:
-    """The client's dataset flags: `prefix_len=1024` -> `--prefix-len 1024`."""
-    return tuple(x for k, v in values.items() for x in ("--" + k.replace("_", "-"), str(v)))
-
-
-def full_setup() -> Setup:
-    vocabulary = words(SERVING.vocab)
-    prefix = flags(prefix_repetition_prefix_len=1024, prefix_repetition_suffix_len=64,
-                   prefix_repetition_num_prefixes=6, prefix_repetition_output_len=16)  # fmt: skip
-    no_reuse = flags(random_input_len=1024, random_output_len=16, random_range_ratio=0)
-    return Setup(
-        SERVING,
-        pool_blocks=128,
-        max_model_len=2048,
-        datasets=(
-            # 6 prefixes of 1,024 tokens (1.5x the pool), 6 prompts each, shuffled
-            ClientDataset("prefix_repetition", True, prefix, 36, (1.0, 2.0, 3.0, INF)),
-            ClientDataset("random", False, no_reuse, 36, (2.0, INF)),
-        ),
-        chats={
-            # 8 conversations x 3 turns of 512 words: 3x the pool at the end
-            "multi_turn": lambda seed: multi_turn(vocabulary, 8, 3, 512, 16, seed),
-            # 4 documents of 1,792 words (1.75x the pool), 8 questions each
-            "documents": lambda seed: documents(vocabulary, 4, 1792, 8, 32, 16, seed),
-        },
-        chat_rates=(1.0, INF),
-    )
-
-
-def quick_setup() -> Setup:
-    vocabulary = words(TINY.vocab)
-    # 4 prefixes of 256 tokens: 1.3x the pool
-    prefix = flags(prefix_repetition_prefix_len=256, prefix_repetition_suffix_len=16,
-                   prefix_repetition_num_prefixes=4, prefix_repetition_output_len=8)  # fmt: skip
-    no_reuse = flags(random_input_len=128, random_output_len=8, random_range_ratio=0)
-    return Setup(
-        TINY,
-        pool_blocks=24,
-        max_model_len=512,
-        datasets=(
-            ClientDataset("prefix_repetition", True, prefix, 8, (4.0, INF)),
-            ClientDataset("random", False, no_reuse, 8, (INF,)),
-        ),
-        chats={"multi_turn": lambda seed: multi_turn(vocabulary, 4, 2, 200, 8, seed)},
-        chat_rates=(INF,),
-    )
 
 
 def play_client(server: OpenAIServer, model: Path, dataset: ClientDataset, rate: float) -> Any:
@@ -290,8 +224,15 @@ def summarize(runs: list[dict[str, Any]], reuse: dict[str, bool]) -> dict[str, A
 
 
 def bench(
-    setup: Setup, workdir: Path, peers_bin: Path, repeats: int, lmcache_chunk: int, eviction: str
+    setup: Setup,
+    workdir: Path,
+    peers_bin: Path,
+    repeats: int,
+    lmcache_chunk: int,
+    eviction: str,
+    rows: Collection[str] = (),
 ) -> dict[str, Any]:
+    """The load rows (all, or only `rows`: each keeps the workload it has in the grid)."""
     model = write_model(workdir / "model", setup.shape, weights=False)
     write_tokenizer(model, setup.shape.vocab)
     # a capacity for every side: 32x the engine's pool, in whole MiB for LMCache
@@ -328,10 +269,12 @@ def bench(
                     plays.append(
                         (name, True, rate, workload.requests, _chat_play(workload, rate, i))
                     )
+            plays = [p for p in plays if not rows or p[0] in rows]
             runs = play_grid(Bench(servers, lmcache), plays, repeats)
             out["memory"] = memory.stop()
     reuse = {row: r for row, r, *_ in plays}
-    return {**out, "runs": runs, "verdicts": summarize(runs, reuse)}
+    ceilings = saturation_ceilings(runs, [row for row, r in reuse.items() if r])
+    return {**out, "runs": runs, "verdicts": summarize(runs, reuse), "ceilings": ceilings}
 
 
 def _client_play(
@@ -362,7 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="the tiny model, small workloads")
     parser.add_argument(
-        "--repeats", type=int, default=2, help="plays of the whole grid (>= 2: a spread)"
+        "--repeats",
+        type=int,
+        default=2,
+        help="plays of the whole grid; the restart row's returns and restarts (>= 2: a spread)",
     )
     parser.add_argument(
         "--peers",
@@ -387,6 +333,9 @@ def main(argv: list[str] | None = None) -> None:
         choices=("LRU", "ARC"),
         help="LMCache's L1 eviction policy",
     )
+    parser.add_argument(
+        "--rows", help="only these load rows, comma-separated (e.g. random,multi_turn)"
+    )
     parser.add_argument("--table", type=Path, help="print a result's table, run nothing")
     args = parser.parse_args(argv)
     if args.table is not None:
@@ -400,6 +349,10 @@ def main(argv: list[str] | None = None) -> None:
     if not (peers_bin / "lmcache").exists():
         parser.error(f"--peers {args.peers}: no LMCache there; run `make peers` first")
     setup = quick_setup() if args.quick else full_setup()
+    known = [d.name for d in setup.datasets] + list(setup.chats)
+    rows = [r for r in args.rows.split(",") if r] if args.rows else []
+    if any(r not in known for r in rows):
+        parser.error(f"--rows {args.rows}: the load rows are {', '.join(known)}")
     shape = asdict(setup.shape) | {"block_size": BLOCK, "pool_blocks": setup.pool_blocks}
     started = time.perf_counter()
     with (
@@ -410,10 +363,29 @@ def main(argv: list[str] | None = None) -> None:
         result: dict[str, Any] = {}
         if args.only != "restart":
             result = bench(setup, Path(tmp), peers_bin, args.repeats, args.lmcache_chunk_size,
-                           args.lmcache_eviction)  # fmt: skip
+                           args.lmcache_eviction, rows)  # fmt: skip
         if args.only != "load" and not args.quick:
-            result["restart"] = restart_row(Path(tmp), peers_bin)
+            restart = restart_row(Path(tmp), peers_bin, returns=args.repeats, restarts=args.repeats)
+            result["restart"] = restart
     result |= {"shape": shape, "repeats": args.repeats, "wall_s": time.perf_counter() - started}
+    for v in result.get("restart", {}).get("verdicts", []):
+        print(
+            f"restart row: {v['target']}: kvtier {v['kvtier_s']:.3f} s (spread "
+            f"{v['kvtier_spread']:.0%}), LMCache {v['lmcache_s']:.3f} s (spread "
+            f"{v['lmcache_spread']:.0%}): x{v['ratio']:.2f} {'met' if v['met'] else 'NOT met'}"
+        )
+    for c in result.get("ceilings", []):
+        print(
+            f"{c['row']} all at once: computed prompt tokens {c['computed_tokens']}; "
+            f"kvtier at most x{c['ceiling']:.2f} LMCache's requests/s at vLLM alone's rate "
+            f"({c['alone_tokens_per_s']:.0f} tokens/s), x{c['achieved']:.2f} achieved"
+            + (
+                f"; fitted: {c['fit']['fixed_s']:.2f} s fixed + {c['fit']['per_token_ms']:.3f} "
+                f"ms a token, kvtier at most x{c['fit']['ceiling']:.2f}"
+                if c["fit"]
+                else ""
+            )
+        )
     for row, lines in result.get("verdicts", {}).items():
         for v in lines:
             print(
@@ -421,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"(spread {v['spread']}) {'met' if v['met'] else 'NOT met'}"
             )
     name = ("peers-quick" if args.quick else "peers") + (f"-{args.only}" if args.only else "")
+    if rows:  # a part of the grid: its own file
+        name += "-" + "-".join(rows)
     if (args.lmcache_chunk_size, args.lmcache_eviction) != (BLOCK, "LRU"):  # a variant's own file
         name += f"-lmcache-{args.lmcache_chunk_size}-{args.lmcache_eviction.lower()}"
     print(write_result(name, result))

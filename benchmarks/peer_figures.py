@@ -237,6 +237,106 @@ def verdicts(
     return lines
 
 
+def computed_tokens(engine: Mapping[str, float]) -> float:
+    """Prompt tokens the engine computed: neither from its pool nor from the connector."""
+    return engine["prompt_tokens"] - engine["pool_hits"] - engine["external_hits"]
+
+
+def saturation_ceilings(
+    runs: Sequence[Mapping[str, Any]], rows: Sequence[str]
+) -> list[dict[str, Any]]:
+    """How far ahead of LMCache kvtier could be at saturation on each of `rows`, from the
+    tokens each side had to compute itself.
+
+    A side's run takes at least the time to compute its non-cached prompt tokens. Timed at
+    vLLM alone's own rate in the same run (its computed prompt tokens over its run's
+    seconds, its answers' decoding counted as if it were prefill: so the rate is low, the
+    best time estimated for kvtier short, and the ceiling high), kvtier's best is
+    `computed / rate`, and its ceiling over LMCache is LMCache's seconds over that best:
+    where both sides found the same tokens, no load however fast takes kvtier further.
+
+    Tighter (`fit`): a run's seconds as `fixed + per_token * computed`, fitted through
+    vLLM alone's run and LMCache's (the same requests and answers: `fixed` is what does
+    not shrink with cached tokens, the answers' decoding and the steps' overhead); kvtier's
+    floor is that line at its own computed tokens. Only where the two computed counts
+    differ by at least `MIN_FIT_SPREAD` of vLLM alone's (else the line is noise: None).
+    Medians over the repeats; a run's seconds are its requests over its requests/s."""
+    out = []
+    for row in rows:
+        got = [r for r in runs if r["row"] == row and r["rate"] is None]
+        if not got or not all(side in got[0] for side in ("vllm", "kvtier", "lmcache")):
+            continue
+        tokens, seconds = {}, {}
+        for side in ("vllm", "kvtier", "lmcache"):
+            tokens[side] = statistics.median(computed_tokens(r[side]["engine"]) for r in got)
+            seconds[side] = statistics.median(
+                r[side]["client"]["completed"] / r[side]["client"]["requests_per_s"] for r in got
+            )
+        rate = tokens["vllm"] / seconds["vllm"]
+        best = tokens["kvtier"] / rate
+        out.append(
+            {
+                "row": row,
+                "computed_tokens": tokens,
+                "seconds": seconds,
+                "alone_tokens_per_s": rate,
+                "kvtier_best_s": best,
+                "ceiling": seconds["lmcache"] / best,
+                "fit": _fitted_floor(tokens, seconds),
+                "achieved": seconds["lmcache"] / seconds["kvtier"],
+            }
+        )
+    return out
+
+
+MIN_FIT_SPREAD = 0.1
+
+
+def _fitted_floor(
+    tokens: Mapping[str, float], seconds: Mapping[str, float]
+) -> dict[str, float] | None:
+    """`saturation_ceilings`' line through vLLM alone's and LMCache's runs, and kvtier's
+    floor and ceiling on it."""
+    gap = tokens["vllm"] - tokens["lmcache"]
+    if abs(gap) < MIN_FIT_SPREAD * tokens["vllm"]:
+        return None
+    per_token = (seconds["vllm"] - seconds["lmcache"]) / gap
+    fixed = seconds["vllm"] - per_token * tokens["vllm"]
+    floor = fixed + per_token * tokens["kvtier"]
+    return {
+        "fixed_s": fixed,
+        "per_token_ms": per_token * 1000,
+        "kvtier_floor_s": floor,
+        "ceiling": seconds["lmcache"] / floor,
+    }
+
+
+RESTART_RETURNS = {"pool forgot": "from CPU memory", "restarted": "from disk after a restart"}
+
+
+def restart_verdicts(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The restart row's targets: kvtier's return no slower than LMCache's, from CPU memory
+    and from disk after a restart. `row[side][step]`: that step's returns (`s`: seconds,
+    `connector_tokens`). Medians over the returns, each side's spread, the fewest tokens
+    a return took from the connector (a return that recomputed shows there); met only
+    where kvtier is ahead by more than the spread."""
+    lines = []
+    for step, what in RESTART_RETURNS.items():
+        returns = {side: row[side].get(step, []) for side in ("kvtier", "lmcache")}
+        if not all(returns.values()):
+            continue
+        seconds = {side: [r["s"] for r in got] for side, got in returns.items()}
+        c = Comparison.of(seconds["kvtier"], seconds["lmcache"])
+        line: dict[str, Any] = {"target": f"{what}: no slower than LMCache's"}
+        for side, values in seconds.items():
+            line[f"{side}_s"] = statistics.median(values)
+            line[f"{side}_spread"] = spread(values)
+            line[f"{side}_min_connector_tokens"] = min(r["connector_tokens"] for r in returns[side])
+        line |= {"ratio": c.ratio, "spread": c.spread, "decisive": c.decisive}
+        lines.append(line | {"met": c.ratio < 1 and c.decisive})
+    return lines
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     """The README's table: per row, rate and side, the median over the repeats (and the
     spread of requests/s), and the tokens the engine took from its pool and its

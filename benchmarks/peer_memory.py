@@ -45,6 +45,14 @@ def _kib(path: Path, key: str) -> int:
     return 0
 
 
+def process_name(pid: int, proc: Path = PROC) -> str:
+    """The process's command name (vLLM names its engine core and workers: `VLLM::...`)."""
+    try:
+        return (proc / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
 def pss_kib(pid: int, proc: Path = PROC) -> int:
     return _kib(proc / str(pid) / "smaps_rollup", "Pss")
 
@@ -55,7 +63,9 @@ def hwm_kib(pid: int, proc: Path = PROC) -> int:
 
 class MemoryPeaks:
     """Samples each side's summed PSS every `interval_s` on a thread, keeping the peak;
-    `stop()` ends it and returns, per side, the peak PSS and the summed VmHWM (MiB)."""
+    `stop()` ends it and returns, per side, the peak PSS, each process's share of it at
+    that sample (`at_peak_mib`, by `name[pid]`: which process holds what) and the summed
+    VmHWM (MiB)."""
 
     def __init__(self, sides: Mapping[str, list[int]], interval_s: float = 1.0) -> None:
         if interval_s <= 0:
@@ -63,6 +73,7 @@ class MemoryPeaks:
         self.sides = dict(sides)
         self.interval_s = interval_s
         self.peak_pss_kib = dict.fromkeys(self.sides, 0)
+        self.at_peak_kib: dict[str, dict[str, int]] = {side: {} for side in self.sides}
         self.hwm_kib: dict[str, dict[int, int]] = {side: {} for side in self.sides}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="memory-peaks", daemon=True)
@@ -74,8 +85,11 @@ class MemoryPeaks:
     def sample(self) -> None:
         for side, sessions in self.sides.items():
             pids = session_pids(sessions)
-            total = sum(pss_kib(pid) for pid in pids)
-            self.peak_pss_kib[side] = max(self.peak_pss_kib[side], total)
+            each = {f"{process_name(pid)}[{pid}]": pss_kib(pid) for pid in pids}
+            total = sum(each.values())
+            if total > self.peak_pss_kib[side]:
+                self.peak_pss_kib[side] = total
+                self.at_peak_kib[side] = each
             for pid in pids:  # VmHWM only grows: the last reading is the process's peak
                 self.hwm_kib[side][pid] = max(self.hwm_kib[side].get(pid, 0), hwm_kib(pid))
 
@@ -91,6 +105,7 @@ class MemoryPeaks:
         return {
             side: {
                 "peak_pss_mib": self.peak_pss_kib[side] / 1024,
+                "at_peak_mib": {name: kib / 1024 for name, kib in self.at_peak_kib[side].items()},
                 "sum_peak_rss_mib": sum(self.hwm_kib[side].values()) / 1024,
                 "processes": len(self.hwm_kib[side]),
             }

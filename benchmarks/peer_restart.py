@@ -14,7 +14,10 @@ One side at a time (a 0.5B engine each), the same model, flags and CPU binding:
 
 Each figure is one request's time to its single output token (`max_tokens` 1), with the
 tokens vLLM took from its pool and from the connector (`/metrics`), so a load that
-silently recomputed shows. One run per side: no spread.
+silently recomputed shows. The returns repeat, so that each side's spread is known: the
+CPU return `returns` times in the first server's life (the pool forgets before each), the
+disk return once in each of `restarts` further lives, kvtier's and LMCache's restarts
+taking turns (the side going first alternating). `restart_verdicts` compares the medians.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peer_figures import VLLM_COUNTERS, counters, delta
+from benchmarks.peer_figures import VLLM_COUNTERS, counters, delta, restart_verdicts
 from benchmarks.peer_sides import GIB, LMCacheServer, LMCacheSettings, lmcache_transfer_config
 from kvtier.vllm import transfer_config
 from kvtier.vllm.engines import QWEN2_05B, write_model
@@ -63,10 +66,13 @@ def _forget_pool(server: OpenAIServer) -> None:
         raise RuntimeError(f"{server.url}: reset_prefix_cache answered {answer!r}")
 
 
+Steps = dict[str, list[dict[str, float]]]  # a step's name -> its returns, in order
+
+
 def _session(config: ServerConfig, workdir: Path, name: str, steps: list[str],
-             prompt: list[int], warm: list[int]) -> dict[str, Any]:  # fmt: skip
+             prompt: list[int], warm: list[int]) -> Steps:  # fmt: skip
     """One server's life: warm-up, then each step ('cold', 'pool forgot', 'restarted')."""
-    out: dict[str, Any] = {}
+    out: Steps = {}
     with running_servers({name: config}, workdir) as servers:
         server = servers[name]
         _timed(server, warm)
@@ -74,13 +80,20 @@ def _session(config: ServerConfig, workdir: Path, name: str, steps: list[str],
             if step == "pool forgot":
                 time.sleep(SETTLE_S)
                 _forget_pool(server)
-            out[step] = _timed(server, prompt)
-            print(f"  restart row {name} {step}: {out[step]}", flush=True)
+            out.setdefault(step, []).append(_timed(server, prompt))
+            print(f"  restart row {name} {step}: {out[step][-1]}", flush=True)
         time.sleep(SETTLE_S)  # the last stores reach the disk before the server stops
     return out
 
 
-def restart_row(workdir: Path, peers_bin: Path, tokens: int = 4096) -> dict[str, Any]:
+def _add(into: Steps, steps: Steps) -> None:
+    for step, returns in steps.items():
+        into.setdefault(step, []).extend(returns)
+
+
+def restart_row(
+    workdir: Path, peers_bin: Path, tokens: int = 4096, returns: int = 3, restarts: int = 3
+) -> dict[str, Any]:
     model = write_model(workdir / "model-05b", QWEN2_05B, weights=False)
     write_tokenizer(model, QWEN2_05B.vocab)
     rng = random.Random(34)
@@ -94,20 +107,27 @@ def restart_row(workdir: Path, peers_bin: Path, tokens: int = 4096) -> dict[str,
     disk = workdir / "kvtier-disk"
     kvtier = replace(alone, kv_transfer_config=transfer_config(
         cpu_bytes_to_use=cpu_bytes, disk_path=str(disk), disk_bytes_to_use=4 * GIB))  # fmt: skip
-    out["kvtier"] = _session(
-        kvtier, workdir, "restart-kvtier", ["cold", "pool forgot"], prompt, warm
-    )
-    out["kvtier"] |= _session(kvtier, workdir, "restart-kvtier-2", ["restarted"], prompt, warm)
     l2 = json.dumps({"type": "fs", "base_path": str(workdir / "lmcache-disk")})
     settings = LMCacheSettings(chunk_size=BLOCK, l1_bytes=cpu_bytes)
-    out["lmcache"] = {}
-    for life, steps in (("", ["cold", "pool forgot"]), ("-2", ["restarted"])):
-        log = workdir / f"restart-lmcache-server{life}.log"
+
+    def kvtier_life(life: int, steps: list[str]) -> Steps:
+        return _session(kvtier, workdir, f"restart-kvtier-{life}", steps, prompt, warm)
+
+    def lmcache_life(life: int, steps: list[str]) -> Steps:
+        log = workdir / f"restart-lmcache-server-{life}.log"
         with LMCacheServer(peers_bin, settings, log, extra_args=("--l2-adapter", l2)) as server:
             server.wait_ready()
             config = replace(alone, kv_transfer_config=lmcache_transfer_config(server.port),
                              env={"LMCACHE_MP_TRANSFER_MODE": "engine_driven"},
                              python=str(peers_bin / "python"))  # fmt: skip
-            name = f"restart-lmcache{life}"
-            out["lmcache"] |= _session(config, workdir, name, steps, prompt, warm)
+            return _session(config, workdir, f"restart-lmcache-{life}", steps, prompt, warm)
+
+    lives = {"kvtier": kvtier_life, "lmcache": lmcache_life}
+    first = ["cold"] + ["pool forgot"] * returns
+    for side, life in lives.items():
+        out[side] = life(0, first)
+    for r in range(restarts):
+        for side in list(lives) if r % 2 == 0 else list(lives)[::-1]:
+            _add(out[side], lives[side](r + 1, ["restarted"]))
+    out["verdicts"] = restart_verdicts(out)
     return out

@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from benchmarks.peer_figures import (
@@ -19,6 +20,8 @@ from benchmarks.peer_figures import (
     delta,
     fairness_problems,
     markdown_table,
+    restart_verdicts,
+    saturation_ceilings,
     side_orders,
     spread,
     verdicts,
@@ -215,6 +218,72 @@ def test_memory_peaks_of_a_child_session() -> None:
         child.communicate(b"")
     assert got["child"]["processes"] == 1
     assert 64 <= got["child"]["peak_pss_mib"] <= got["child"]["sum_peak_rss_mib"] < 256
-    assert got["none"] == {"peak_pss_mib": 0.0, "sum_peak_rss_mib": 0.0, "processes": 0}
+    name = Path(sys.executable).name[:15]  # the kernel keeps 15 bytes of a command name
+    assert got["child"]["at_peak_mib"] == {f"{name}[{child.pid}]": got["child"]["peak_pss_mib"]}
+    assert got["none"] == {
+        "peak_pss_mib": 0.0,
+        "at_peak_mib": {},
+        "sum_peak_rss_mib": 0.0,
+        "processes": 0,
+    }
     with pytest.raises(ValueError, match="interval_s=0"):
         MemoryPeaks({}, interval_s=0)
+
+
+def test_restart_verdicts_compare_the_medians_of_each_sides_returns() -> None:
+    def returns(*seconds: float, tokens: float = 4096.0) -> list[dict[str, float]]:
+        return [{"s": s, "pool_tokens": 0.0, "connector_tokens": tokens} for s in seconds]
+
+    row = {
+        "kvtier": {"cold": returns(20.0), "pool forgot": returns(0.10, 0.11, 0.10),
+                   "restarted": returns(0.31, 0.16, 0.20)},
+        "lmcache": {"cold": returns(20.5), "pool forgot": returns(0.14, 0.13, 0.14),
+                    "restarted": returns(0.27, 0.26, 0.26, tokens=4095.0)},
+    }  # fmt: skip
+    cpu, disk = restart_verdicts(row)
+    assert cpu["target"].startswith("from CPU memory")
+    assert cpu["kvtier_s"] == 0.10 and cpu["lmcache_s"] == 0.14
+    assert cpu["ratio"] == pytest.approx(0.10 / 0.14)
+    assert cpu["spread"] == pytest.approx(0.01 / 0.10)  # kvtier's, the larger
+    assert cpu["met"] and cpu["decisive"]
+    # from disk: faster at the median (0.20 / 0.26), but kvtier's returns spread by 75%
+    assert disk["ratio"] == pytest.approx(0.20 / 0.26)
+    assert disk["kvtier_spread"] == pytest.approx(0.15 / 0.20)
+    assert disk["lmcache_min_connector_tokens"] == 4095.0
+    assert not disk["decisive"] and not disk["met"]
+    # a side without returns of a step (an older result): no line for it
+    del row["lmcache"]["restarted"]
+    assert [v["target"] for v in restart_verdicts(row)] == [cpu["target"]]
+
+
+def test_the_saturation_ceiling_from_the_tokens_each_side_computed() -> None:
+    def side(rps: float, pool: float, external: float) -> dict[str, object]:
+        engine = {"pool_hits": pool, "external_hits": external, "prompt_tokens": 25_000.0}
+        client = {"completed": 24, "requests_per_s": rps}
+        return {"client": client, "engine": engine}
+
+    runs = [
+        # vLLM alone computes 24,800 tokens in 10 s: 2,480 a second; kvtier and LMCache
+        # found the same 12,400 tokens, so kvtier's best is 5 s against LMCache's 6 s
+        {"row": "multi_turn", "rate": None, "vllm": side(2.4, 200, 0),
+         "kvtier": side(4.0, 1_000, 11_400), "lmcache": side(4.0, 400, 12_000)},
+        {"row": "multi_turn", "rate": 1.0, "vllm": side(1, 0, 0),
+         "kvtier": side(1, 0, 0), "lmcache": side(1, 0, 0)},
+        {"row": "random", "rate": None, "vllm": side(1, 0, 0)},  # no peers: no ceiling
+    ]  # fmt: skip
+    (line,) = saturation_ceilings(runs, ["multi_turn", "random", "documents"])
+    assert line["row"] == "multi_turn"
+    assert line["computed_tokens"] == {"vllm": 24_800, "kvtier": 12_600, "lmcache": 12_600}
+    assert line["alone_tokens_per_s"] == pytest.approx(2_480)
+    assert line["kvtier_best_s"] == pytest.approx(12_600 / 2_480)
+    assert line["ceiling"] == pytest.approx(6.0 / (12_600 / 2_480))
+    assert line["achieved"] == pytest.approx(1.0)
+    # the line through vLLM alone (24,800 tokens, 10 s) and LMCache (12,600, 6 s): 4 s
+    # for 12,200 tokens, so 2.07 s fixed; kvtier at LMCache's tokens sits on LMCache's 6 s
+    fit = line["fit"]
+    assert fit["per_token_ms"] == pytest.approx(4_000 / 12_200)
+    assert fit["fixed_s"] == pytest.approx(10 - 24_800 * 4 / 12_200)
+    assert fit["kvtier_floor_s"] == pytest.approx(6.0) and fit["ceiling"] == pytest.approx(1.0)
+    # LMCache computing about what vLLM alone does: no line through two close points
+    runs[0]["lmcache"] = side(4.0, 200, 900)
+    assert saturation_ceilings(runs, ["multi_turn"])[0]["fit"] is None

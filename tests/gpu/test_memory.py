@@ -12,7 +12,7 @@ import torch
 
 from kvtier.store.memory import MemoryStore
 from kvtier.transfer.handlers import StagedHandler
-from tests.gpu.kit import LAYOUTS, Tier, make_kv, run_jobs
+from tests.gpu.kit import LAYOUTS, Tier, block_bytes, make_kv, run_jobs
 
 ROUNDS = 60
 
@@ -84,3 +84,19 @@ def test_a_closed_tier_lets_go_of_its_memory(device: torch.device, tmp_path: Pat
         run_jobs(again.worker, [("store", 0, range(16), again.spec(range(16)))])
         assert pinned_in_use() == held
         again.close()
+
+
+def test_the_disk_moves_a_cpu_engines_pages_in_place(tmp_path: Path) -> None:
+    """vLLM's pages on the CPU (each plane's rows a page apart): the disk reads into and
+    writes from the engine's blocks where they lie, with no staging rows at all."""
+    kv = make_kv("pages", 16, torch.device("cpu"), seed=3)
+    tier = Tier("disk", kv, tmp_path, num_blocks=8)
+    try:
+        run_jobs(tier.worker, [("store", 0, [1, 5, 2], tier.spec([0, 1, 2]))])
+        run_jobs(tier.worker, [("load", 1, [9, 10, 11], tier.spec([2, 0, 1]))])
+        assert [block_bytes(kv, b) for b in (9, 10, 11)] == [block_bytes(kv, b) for b in (2, 1, 5)]
+        assert [tier.stored_bytes(s) for s in (0, 1)] == [block_bytes(kv, b) for b in (1, 5)]
+        handler = tier.worker.handler
+        assert isinstance(handler, StagedHandler) and handler.staging_bytes == 0
+    finally:
+        tier.close()

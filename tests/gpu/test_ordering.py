@@ -187,7 +187,7 @@ def protocol(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
 def test_the_stream_protocol_on_the_cpu(
     protocol: list[tuple[str, ...]], tier_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # vLLM's pages: strided halves, so the disk goes through staging rows as on a GPU
+    # vLLM's pages, taken as a CUDA device's: the disk goes through staging rows
     kv = make_kv("pages", 8, torch.device("cpu"), seed=4)
     monkeypatch.setattr(kv, "is_cuda", True)  # the CUDA code path, with the stand-ins
     tier = Tier(tier_name, kv, tmp_path, num_blocks=4)

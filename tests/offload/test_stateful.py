@@ -70,3 +70,13 @@ TestFilterPassThrough = offloading_manager_machine(
     exact_rejections=True,
 ).TestCase
 TestFilterPassThrough.settings = SETTINGS
+
+# the tier stack's CPU tier: freed slots before never-used ones (test_cpu_slots has the
+# order itself); every other rule of the suite holds as with vLLM's order
+TestFreedSlotsFirst = offloading_manager_machine(
+    lambda: CPUOffloadingManager(16, CAPACITY, "arc", enable_events=True, reuse_freed_first=True),
+    capacity=CAPACITY,
+    ghost_sizes=_ghosts,
+    check_ref_counts=True,
+).TestCase
+TestFreedSlotsFirst.settings = SETTINGS

@@ -11,6 +11,7 @@ must stop offering the lost blocks. No sleeps: every step waits for its jobs.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -278,6 +279,16 @@ def test_a_bad_key_fails_while_vllm_builds_its_config() -> None:
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config key 'cpu_byte"):
         KvtierConnector.requires_piecewise_for_cudagraph(extra | {"cpu_bytes": 1})
     assert not KvtierConnector.requires_piecewise_for_cudagraph(extra | {"cpu_bytes_to_use": 1})
+
+
+def test_a_worker_leaves_the_startup_heap_out_of_full_collections(engines: list[Engine]) -> None:
+    """vLLM freezes its engine core's heap, not its workers': kvtier's worker does (see
+    `freeze_startup_heap`), so a full collection scans what was made since."""
+    startup = [[]]  # a GC-tracked object alive before the worker
+    engines.append(Engine({"cpu_bytes_to_use": 4 * BLOCK_BYTES}))
+    later = [[]]
+    tracked = gc.get_objects()  # the frozen generation is not listed
+    assert not any(o is startup for o in tracked) and any(o is later for o in tracked)
 
 
 def test_an_idle_step_waits_for_the_oldest_load(engines: list[Engine]) -> None:

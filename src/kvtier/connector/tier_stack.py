@@ -150,8 +150,9 @@ def build_tiers(
     every tensor-parallel size share them).
     """
     events, bs, policy = config.enable_events, config.block_size, config.policy
+    # freed slots first: a host slot is resident from its first write on (see CPUBackend)
     cpu: OffloadingManager = CPUOffloadingManager(
-        bs, config.cpu_blocks, cache_policy=policy, enable_events=events
+        bs, config.cpu_blocks, cache_policy=policy, enable_events=events, reuse_freed_first=True
     )
     tiers = Tiers(config, cpu, cpu)
     if config.disk_blocks:

@@ -327,7 +327,8 @@ class CPUOffloadingManager(PolicyOffloadingManager):
     """vLLM's `CPUOffloadingManager`: CPU slots 0..num_blocks-1 and a policy by name.
 
     `cache_policy` takes any registered name or "module:Class" path, not only
-    "lru" and "arc".
+    "lru" and "arc". `reuse_freed_first`: hand out freed slots before never-used ones
+    (`CPUBackend`; not vLLM's order, off by default).
     """
 
     def __init__(
@@ -336,7 +337,10 @@ class CPUOffloadingManager(PolicyOffloadingManager):
         num_blocks: int,
         cache_policy: Literal["lru", "arc"] | str = "lru",
         enable_events: bool = False,
+        *,
+        reuse_freed_first: bool = False,
     ) -> None:
-        super().__init__(CPUBackend(block_size, num_blocks), cache_policy, enable_events)
+        backend = CPUBackend(block_size, num_blocks, reuse_freed_first=reuse_freed_first)
+        super().__init__(backend, cache_policy, enable_events)
         self.block_size = block_size
         self.medium = self.backend.medium

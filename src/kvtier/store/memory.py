@@ -10,8 +10,13 @@ device blocks lands in one contiguous run. A block's bytes as a whole (what the 
 format and checksums see) are its segments concatenated in layout order: `slot_parts`.
 For the cross-layer layout there is one segment, so the buffer is plain slot rows.
 
-One allocation up front means no per-block allocation on the hot path, and with CUDA
-the buffer is pinned so device copies run asynchronously on a copy stream.
+One allocation up front means no per-block allocation on the hot path. Without CUDA
+the buffer is a private anonymous mapping: the kernel gives it a zeroed page on the
+page's first write, so the tier costs resident memory only for the slots written so
+far (a 1 GiB tier is not 1 GiB of RSS at start; `CPUBackend(reuse_freed_first=True)`
+keeps the slots written few). With CUDA the buffer is pinned so device copies run
+asynchronously on a copy stream; page-locked memory is resident by definition
+(`cudaHostAlloc` maps and locks every page), so it is allocated whole as before.
 
 Checksums are optional here (`checksums=True`): host RAM does not tear or rot like a
 disk, and hashing every block costs about as much as copying it, which would halve
@@ -21,6 +26,9 @@ verified before it is read; a mismatch fails the load and is counted.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import mmap
 import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, overload
@@ -59,7 +67,7 @@ class MemoryStore:
         self.num_slots = num_slots
         self.checksums = checksums
         shape = (layout.num_segments, num_slots, layout.segment_bytes)
-        self.buffer: torch.Tensor = torch.zeros(shape, dtype=torch.uint8, pin_memory=pin_memory)
+        self.buffer: torch.Tensor = host_buffer(shape, pin_memory=pin_memory)
         self._arrays: list[npt.NDArray[np.uint8]] = list(self.buffer.numpy())
         # Flat byte views of the planes: a slot's segment is a slice (about 0.1 us), where
         # a numpy row's buffer export costs microseconds, paid per block and segment.
@@ -149,16 +157,40 @@ class MemoryStore:
         return slots
 
 
+def host_buffer(shape: tuple[int, ...], *, pin_memory: bool) -> torch.Tensor:
+    """A zeroed uint8 tensor of `shape` in host memory: pinned (resident, allocated by
+    CUDA) or a private anonymous mapping whose pages become resident when first written,
+    in transparent huge pages (2 MiB) where the kernel offers them. With slots used from
+    0 up (`CPUBackend`), what is resident is then the used slots' bytes plus at most one
+    part-filled huge page per segment plane. The tensor holds the mapping; it is unmapped
+    when the last view of it goes."""
+    import torch
+
+    if pin_memory:
+        return torch.zeros(shape, dtype=torch.uint8, pin_memory=True)
+    size = math.prod(shape)
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages here
+        # a first write of a 4 KiB page costs a fault and its zeroing: four times a copy
+        # into a written one (96 MiB: 105 ms against 24 ms); huge pages take 16-32 ms
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(shape)
+
+
 def block_segments(
-    planes: Sequence[memoryview], segment_bytes: int, ids: Iterable[int]
+    planes: Sequence[memoryview], segment_bytes: int, ids: Iterable[int], stride: int = 0
 ) -> list[list[memoryview]]:
     """Block `i`'s segments, for each `i` in `ids`: row `i` of every flat byte plane, in
-    layout order (views, no copy). Slicing a flat `memoryview` costs about 0.1 us, where
-    a numpy row's buffer export costs microseconds, paid per block and segment."""
+    layout order (views, no copy). `stride`: the bytes from one block's row to the next
+    in every plane (default `segment_bytes`: rows back to back; vLLM's pages put a
+    block's K and V rows side by side, a page apart). Slicing a flat `memoryview` costs
+    about 0.1 us, where a numpy row's buffer export costs microseconds, paid per block
+    and segment."""
+    step = stride or segment_bytes
     views = []
     for i in ids:
-        piece = slice(i * segment_bytes, (i + 1) * segment_bytes)  # one slice object for
-        views.append([plane[piece] for plane in planes])  # all segments: a third cheaper
+        piece = slice(i * step, i * step + segment_bytes)  # one slice object for all
+        views.append([plane[piece] for plane in planes])  # segments: a third cheaper
     return views
 
 

@@ -29,7 +29,7 @@ import torch
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.mediums import BlockIDsLoadStoreSpec
 from kvtier.store.layout import KVLayout
-from kvtier.store.memory import MemoryStore, block_segments
+from kvtier.store.memory import MemoryStore, block_segments, host_buffer
 from kvtier.store.protocol import BlockStore
 from kvtier.transfer.cuda_copy import HostSide, KernelCopier, prefer_kernel
 from kvtier.transfer.device import (
@@ -252,12 +252,20 @@ class StagedHandler:
         self._streams = Streams(kv)
         # Flat byte views of the engine's segments: a block's piece is a slice of one
         # (about 0.1 us), where a numpy row's buffer export costs microseconds per block.
-        # Only for segments stored back to back (vLLM's pages hold K then V, so a plane's
-        # blocks are strided): strided segments go through the staging rows.
-        on_cpu = kv.device.type == "cpu" and all(seg.is_contiguous() for seg in kv.segments)
-        self._flat = [seg.numpy().data.cast("B") for seg in kv.segments] if on_cpu else []
+        # A plane's blocks may be strided (vLLM's pages hold a block's K then its V, so
+        # each plane's rows are a page apart): one stride for all planes, or staging rows.
+        segments = kv.segments
+        self._stride = segments[0].stride(0)
+        on_cpu = (
+            kv.device.type == "cpu"
+            and not kv.is_cuda
+            and all(seg.stride() == (self._stride, 1) for seg in segments)
+        )
+        self._flat = [_flat_bytes(seg) for seg in segments] if on_cpu else []
         self._seg_bytes = kv.layout.segment_bytes
-        self._rows = on_cpu and len(self._flat) == 1
+        self._rows = on_cpu and len(self._flat) == 1 and self._stride == self._seg_bytes
+        # a store that reads and writes a block's segments where they lie (the disk):
+        # no staging rows, so no copy through them and no buffer of the largest job
         self._segmented = on_cpu and not self._rows and hasattr(store, "write_segments")
         self._staging: dict[str, _Staging] = {}
         # on a GPU: one kernel between the device and the pinned staging rows (a
@@ -335,7 +343,7 @@ class StagedHandler:
         return [rows[i * size : (i + 1) * size] for i in device_ids.tolist()]
 
     def _segment_views(self, device_ids: npt.NDArray[np.int64]) -> list[list[memoryview]]:
-        return block_segments(self._flat, self._seg_bytes, device_ids.tolist())
+        return block_segments(self._flat, self._seg_bytes, device_ids.tolist(), self._stride)
 
     def _stage(self, direction: str, num_blocks: int) -> _Staging:
         """This direction's staging rows, grown (never shrunk) to fit the job."""
@@ -347,15 +355,22 @@ class StagedHandler:
         return staging
 
 
+def _flat_bytes(segment: torch.Tensor) -> memoryview:
+    """A CPU segment `[num_blocks, segment_bytes]` (rows `stride(0)` apart) as one flat
+    byte view from its first row's start to its last row's end."""
+    num_blocks, size = segment.shape
+    extent = (num_blocks - 1) * segment.stride(0) + size
+    return segment.as_strided((extent,), (1,)).numpy().data.cast("B")
+
+
 class _Staging:
     """Contiguous host rows (what `BlockStore.write_blocks` takes), cut into segment
     views `[num_rows, seg]` like a device cache for the gather/scatter copies."""
 
     def __init__(self, layout: KVLayout, num_rows: int, *, pin_memory: bool) -> None:
         size = layout.segment_bytes
-        self.buffer = torch.zeros(
-            (num_rows, layout.bytes_per_block), dtype=torch.uint8, pin_memory=pin_memory
-        )
+        # (in huge pages off CUDA: a job's first use of fresh 4 KiB pages is slow)
+        self.buffer = host_buffer((num_rows, layout.bytes_per_block), pin_memory=pin_memory)
         self.segments = [
             self.buffer[:, k * size : (k + 1) * size] for k in range(layout.num_segments)
         ]
