@@ -2,9 +2,9 @@
 from a slow Redis stops beating recomputing it, and whether kvtier's per-request decision
 (`load_decision: measured`) lands on the faster side in every cell.
 
-Cells: returning prompts of 256 to 4,096 tokens on the 0.5B-shaped model, Redis at +0,
-+20 and +200 ms per round trip (the shaping proxy, `kvtier.remote.shaping_proxy`, in
-front of a real redis-server). Three sides, each one engine kept up for the whole table
+Cells: returning prompts of 256, 1,024 and 4,096 tokens on the 0.5B-shaped model, Redis
+at +0, +20 and +200 ms per round trip (the shaping proxy, `kvtier.remote.shaping_proxy`,
+in front of a real redis-server). Three sides, each one engine kept up for the whole table
 and asked one request at a time (`kvtier.vllm.engines.stepwise`):
 - `recompute`: vLLM alone (no connector), which computes every prompt;
 - `always`: kvtier with `load_decision: always` (every Redis hit loaded);
@@ -13,10 +13,10 @@ and asked one request at a time (`kvtier.vllm.engines.stepwise`):
 A writer engine first puts every returning prompt in Redis (no proxy), so that both
 kvtier sides find each one there and nowhere else (their CPU tier never saw it). Then,
 per delay, the proxy is reshaped and every side serves the same warm-up (a cold
-1,024-token prompt, which gives the engine's recompute estimate at this moment, and two
-1,024-token returning prompts, which move the Redis estimates to the new delay; smoothing
-0.2), then the cells, `REPEATS` prompts per length. The sides alternate order request by
-request (A B C, C B A, ...), each request after every engine idled `IDLE_S`. A cell's
+512-token prompt of its own, which gives the engine's recompute estimate at this moment,
+and two 512-token returning prompts, which move the Redis estimates to the new delay;
+smoothing 0.2), then the cells, `REPEATS` prompts per length. The sides alternate order
+request by request (A B C, C B A, ...), each request after every engine idled `IDLE_S`. A cell's
 figure is each side's median TTFT; its spread (slowest over fastest of the repeats) is
 reported beside it. Target (issue 33): `measured` within 1.1x of the better of
 `recompute` and `always` in every cell. Writes vllm_crossover.json.
@@ -51,10 +51,10 @@ from kvtier.vllm.engines import RequestResult, Round, random_prompts, write_mode
 from kvtier.vllm.engines.stepwise import IDLE_S, StepwiseEngine, interleaved_order
 
 RESULT_NAME = "vllm_crossover"
-TOKENS = (256, 512, 1024, 2048, 4096)
+TOKENS = (256, 1024, 4096)
 DELAYS_S = (0.0, 0.020, 0.200)
 REPEATS = 2
-WARMUP_TOKENS = 1024
+WARMUP_TOKENS = 512
 WARMUP_RETURNS = 2  # returning warm-up prompts per delay, after the cold one
 SIDES = ("recompute", "always", "measured")
 TARGET_VS_BEST = 1.1
@@ -63,16 +63,21 @@ SIZE = Size(max(TOKENS), QWEN2_05B, shape="crossover")  # the pool and model len
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt the sides serve: its delay, what it is, and whether Redis holds it."""
+    """One request the sides serve: its delay, what it is, and its prompt: one for every
+    side, or (a cold prompt) one per side in `SIDES` order, so that no side finds in
+    Redis the cold prompt another side computed and stored there."""
 
     delay_s: float
     kind: str  # "cold", "warm" or "cell"
     tokens: int
-    prompt: tuple[int, ...]
+    prompts: tuple[tuple[int, ...], ...]
 
     @property
     def in_redis(self) -> bool:
         return self.kind != "cold"
+
+    def prompt(self, side: str) -> tuple[int, ...]:
+        return self.prompts[SIDES.index(side)] if len(self.prompts) > 1 else self.prompts[0]
 
     @property
     def name(self) -> str:
@@ -87,8 +92,9 @@ def plan(repeats: int = REPEATS) -> list[Request]:
     for d, delay in enumerate(DELAYS_S):
         kinds = ["cold"] + ["warm"] * WARMUP_RETURNS + ["cell"] * (len(lengths) - 3)
         for i, (kind, tokens) in enumerate(zip(kinds, lengths, strict=True)):
-            (prompt,) = random_prompts(1, tokens, QWEN2_05B.vocab, seed=1000 * (d + 1) + i)
-            out.append(Request(delay, kind, tokens, prompt))
+            n = len(SIDES) if kind == "cold" else 1
+            prompts = random_prompts(n, tokens, QWEN2_05B.vocab, seed=1000 * (d + 1) + i)
+            out.append(Request(delay, kind, tokens, tuple(prompts)))
     return out
 
 
@@ -106,7 +112,7 @@ def write_prompts(model: Path, requests: list[Request], redis_url: str) -> list[
     """The writer engine: every returning prompt, through to Redis (no proxy); a one-block
     request and a settle at the end, so that the last stores are out. Its warnings."""
     (flush,) = random_prompts(1, BLOCK, QWEN2_05B.vocab, seed=2)
-    rounds = [_once(r.prompt, r.name) for r in requests if r.in_redis]
+    rounds = [_once(r.prompts[0], r.name) for r in requests if r.in_redis]
     rounds.append(_once(flush, "flush", SETTLE_S))
     config = transfer_config(cpu_bytes_to_use=2 * SIZE.kv_bytes, redis_url=redis_url)
     config["kv_connector_extra_config"] |= {"redis_socket_timeout_s": 60.0}
@@ -125,10 +131,12 @@ def _sides(
         "always": reader_config(proxy_url, "always"),
         "measured": reader_config(proxy_url, "measured"),
     }
-    rounds = tuple(Round((r.prompt,), max_tokens=1, logprobs=1, name=r.name) for r in requests)
     with ExitStack() as stack:
         engines = {}
         for side, config in configs.items():
+            rounds = tuple(
+                Round((r.prompt(side),), max_tokens=1, logprobs=1, name=r.name) for r in requests
+            )
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"xo-{side}-")))
             engines[side] = StepwiseEngine(_job(model, rounds, config, SIZE), tmp, 1800)
             stack.callback(engines[side].close)

@@ -87,16 +87,21 @@ def test_the_crossover_plan_warms_up_every_delay_then_walks_the_lengths() -> Non
     by_delay = [r for r in requests if r.delay_s == requests[0].delay_s]
     assert [r.kind for r in by_delay[:3]] == ["cold", "warm", "warm"]
     assert [r.tokens for r in by_delay[3:]] == [*TOKENS, *TOKENS]
-    assert len({r.prompt for r in requests}) == len(requests)  # every prompt new
-    assert not requests[0].in_redis and requests[1].in_redis
+    prompts = [p for r in requests for p in r.prompts]
+    assert len(set(prompts)) == len(prompts)  # every prompt new
+    cold = requests[0]
+    assert not cold.in_redis and requests[1].in_redis
+    # each side computes a cold prompt of its own (none finds another's in Redis)
+    assert len({cold.prompt(side) for side in SIDES}) == len(SIDES)
+    assert len({requests[1].prompt(side) for side in SIDES}) == 1
 
 
 def test_a_crossover_cell_is_judged_against_the_better_side() -> None:
     requests = [
-        Request(0.2, "cell", 256, (1,)),
-        Request(0.2, "cell", 256, (2,)),
-        Request(0.2, "cell", 4096, (3,)),
-        Request(0.2, "cell", 4096, (4,)),
+        Request(0.2, "cell", 256, ((1,),)),
+        Request(0.2, "cell", 256, ((2,),)),
+        Request(0.2, "cell", 4096, ((3,),)),
+        Request(0.2, "cell", 4096, ((4,),)),
     ]
     seconds = {  # 256 tokens: recompute wins; 4,096: loading wins
         "recompute": [0.30, 0.34, 8.0, 8.2],
