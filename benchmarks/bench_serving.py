@@ -40,16 +40,27 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_redis import redis_server
 from benchmarks.common import write_result
+from benchmarks.serving_profiles import (
+    REDIS_CPU_POOLS,
+    REDIS_SOCKET_TIMEOUT_S,
+    TierProfile,
+    parse_profile,
+    parse_profiles,
+)
+from kvtier.remote.shaping_proxy import ShapingProxy
 from kvtier.vllm import transfer_config
 from kvtier.vllm.engines import TINY, ModelShape, write_model
 from kvtier.vllm.engines.chat_workloads import Workload, documents, multi_turn, unique
 from kvtier.vllm.engines.load_client import (
+    BeforeSend,
     LoadSummary,
     run_load,
     run_one_by_one,
@@ -116,12 +127,19 @@ def quick_setup() -> Setup:
     )
 
 
+def _nothing() -> None:
+    return None
+
+
 def _run_side(
-    server: OpenAIServer, play: Callable[[], list[Any]]
+    server: OpenAIServer, play: Callable[[], list[Any]], after_run: Callable[[], None] = _nothing
 ) -> tuple[LoadSummary, dict[str, dict[str, float]]]:
     server.reset()
     before = kvtier_counters(server.get("/metrics"))
-    answers = play()
+    try:
+        answers = play()
+    finally:
+        after_run()  # a profile's stalled link flows again
     # vLLM's stats reach the frontend asynchronously: let one more interval pass
     time.sleep(1.5)
     after = kvtier_counters(server.get("/metrics"))
@@ -139,36 +157,79 @@ def _run_side(
     return LoadSummary.of(answers), tiers
 
 
-def bench(setup: Setup, workdir: Path, only: list[str]) -> dict[str, Any]:
+def bench(
+    setup: Setup, workdir: Path, only: list[str], profiles: list[TierProfile] | None = None
+) -> dict[str, Any]:
+    """Every workload under every profile (default: kvtier's CPU tier alone), each beside
+    vLLM alone. Results by workload, then by profile where more than the default ran."""
+    profiles = profiles or [parse_profile("cpu")]
     model = write_model(workdir / "model", setup.shape, weights=False)
     write_tokenizer(model, setup.shape.vocab)
     block_bytes = setup.shape.kv_bytes(BLOCK)
-    kvtier = transfer_config(cpu_bytes_to_use=32 * setup.pool_blocks * block_bytes)
     alone = ServerConfig(
         model, BLOCK, pool_blocks=setup.pool_blocks, max_model_len=setup.max_model_len
     )
-    configs = {"vllm": alone, "kvtier": replace(alone, kv_transfer_config=kvtier)}
-    started = time.perf_counter()
-    with running_servers(configs, workdir) as servers:
+    with ExitStack() as stack:
+        proxy = None
+        configs = {"vllm": alone}
+        if any(not p.redis for p in profiles):
+            kvtier = transfer_config(cpu_bytes_to_use=32 * setup.pool_blocks * block_bytes)
+            configs["kvtier"] = replace(alone, kv_transfer_config=kvtier)
+        if any(p.redis for p in profiles):
+            port = stack.enter_context(redis_server())
+            proxy = stack.enter_context(ShapingProxy(("127.0.0.1", port)))
+            cpu = REDIS_CPU_POOLS * setup.pool_blocks * block_bytes
+            kvtier = transfer_config(
+                cpu_bytes_to_use=cpu,
+                redis_url=proxy.url,
+                redis_socket_timeout_s=REDIS_SOCKET_TIMEOUT_S,
+            )
+            configs["kvtier_redis"] = replace(alone, kv_transfer_config=kvtier)
+        started = time.perf_counter()
+        servers = stack.enter_context(running_servers(configs, workdir))
         out: dict[str, Any] = {"servers_start_s": time.perf_counter() - started, "workloads": {}}
         warm = unique(words(setup.shape.vocab), 2, 64, 4, seed=99)
         for server in servers.values():
             run_one_by_one(server.url, "model", warm)
         for w, name in enumerate(only):
             make = setup.workloads[name]
-            out["workloads"][name] = _workload(setup, servers, make, seed=w)
-            print(f"{name}: {verdict_line(out['workloads'][name])}", flush=True)
+            by_profile = {}
+            for profile in profiles:
+                if proxy is not None:
+                    proxy.reshape(profile.link)
+                sides = {"vllm": servers["vllm"], "kvtier": servers[profile.server]}
+                hook = profile.stall_hook(proxy)
+                result = _workload(
+                    setup, sides, make, seed=w, before=hook, after_run=_resume(proxy)
+                )
+                by_profile[profile.name] = {**result, "profile": asdict(profile)}
+                print(f"{name} [{profile.name}]: {verdict_line(result)}", flush=True)
+            default = len(profiles) == 1 and not profiles[0].redis
+            out["workloads"][name] = by_profile[profiles[0].name] if default else by_profile
     return out
 
 
+def _resume(proxy: ShapingProxy | None) -> Callable[[], None]:
+    return _nothing if proxy is None else proxy.resume
+
+
 def _workload(
-    setup: Setup, servers: dict[str, OpenAIServer], make: Callable[[int], Workload], seed: int
+    setup: Setup,
+    servers: dict[str, OpenAIServer],
+    make: Callable[[int], Workload],
+    seed: int,
+    before: BeforeSend | None = None,
+    after_run: Callable[[], None] = _nothing,
 ) -> dict[str, Any]:
+    """One workload on both sides; `before`, `after_run`: the kvtier side's profile
+    (a stall before a request, the link flowing again after the run)."""
     workload = make(seed)
+    hooks = {"vllm": (None, _nothing), "kvtier": (before, after_run)}
     idle: dict[str, Any] = {}
     for side in SIDES if seed % 2 == 0 else SIDES[::-1]:
-        server = servers[side]
-        summary, tiers = _run_side(server, partial(run_one_by_one, server.url, "model", workload))
+        server, (hook, after) = servers[side], hooks[side]
+        play = partial(run_one_by_one, server.url, "model", workload, before=hook)
+        summary, tiers = _run_side(server, play, after)
         idle[side] = {**asdict(summary), "tiers": tiers}
     # vLLM alone's one-at-a-time rate: one over its mean time per request
     per_request_s = idle["vllm"]["span_s"] / idle["vllm"]["requests"]
@@ -178,9 +239,9 @@ def _workload(
         # JSON has no infinity: all at once is a rate of null
         row: dict[str, Any] = {"rate": rate if math.isfinite(rate) else None}
         for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-            server = servers[side]
-            play = partial(run_load, server.url, "model", workload, rate, seed=i)
-            summary, tiers = _run_side(server, play)
+            server, (hook, after) = servers[side], hooks[side]
+            play = partial(run_load, server.url, "model", workload, rate, seed=i, before=hook)
+            summary, tiers = _run_side(server, play, after)
             row[side] = {**asdict(summary), "tiers": tiers}
             print(f"   {workload.name} rate {rate:.3f}/s {side}: {_brief(summary)}", flush=True)
         runs.append(row)
@@ -253,12 +314,46 @@ def verdict_line(result: dict[str, Any]) -> str:
     )
 
 
+def parse_rates(text: str) -> tuple[float, ...]:
+    """`--rates`: fractions of vLLM alone's one-at-a-time rate, increasing."""
+    rates = []
+    for part in text.split(","):
+        try:
+            rate = float(part)
+        except ValueError:
+            rate = math.nan
+        if not rate > 0:  # nan and negatives too
+            raise ValueError(f"--rates {part!r}; a number > 0 or inf")
+        rates.append(rate)
+    if rates != sorted(set(rates)):
+        raise ValueError(f"--rates {text!r}; increasing, each once")
+    return tuple(rates)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="the tiny model, small workloads")
     parser.add_argument("--workloads", default="multi_turn,documents,unique")
+    parser.add_argument(
+        "--profiles",
+        default="cpu",
+        help="tier profiles, comma list (benchmarks/serving_profiles.py): cpu, redis, "
+        "redis:delay_ms=N, redis:rate_mb_s=N, redis:stall_after=N (fields combine)",
+    )
+    parser.add_argument(
+        "--rates",
+        default=None,
+        help="rates as fractions of vLLM alone's one-at-a-time rate, comma list of "
+        "numbers > 0 or inf (default: the setup's)",
+    )
     args = parser.parse_args(argv)
     setup = quick_setup() if args.quick else full_setup()
+    try:
+        profiles = parse_profiles(args.profiles)
+        if args.rates is not None:
+            setup = replace(setup, rate_fractions=parse_rates(args.rates))
+    except ValueError as e:
+        parser.error(str(e))
     only = args.workloads.split(",")
     unknown = sorted(set(only) - set(setup.workloads))
     if unknown:
@@ -268,8 +363,10 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serving-") as tmp, \
             warnings.catch_warnings():  # fmt: skip
         warnings.simplefilter("ignore")
-        result = bench(setup, Path(tmp), only)
+        result = bench(setup, Path(tmp), only, profiles)
     name = "serving-quick" if args.quick else "serving"
+    if [p.name for p in profiles] != ["cpu"]:
+        name += "-profiles"
     print(write_result(name, {**host, "shape": shape, **result}))
 
 

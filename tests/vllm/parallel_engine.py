@@ -135,7 +135,7 @@ class ParallelEngine:
         merged: Any = None
         errors: set[int] = set()
         for worker in self.workers:
-            worker.wait({job})
+            worker.wait_finished({job})
             (result,) = [r for r in worker.get_finished() if r.job_id == job]
             assert result.success  # under KvtierConnector failures go to the report
             errors |= worker.take_load_errors()

@@ -6,8 +6,9 @@ A writer engine puts a prompt in a real redis-server. Two readers (a CPU tier of
 blocks, so Redis is the only tier that holds the prompt) reach that server through the
 shaping proxy (kvtier.remote.shaping_proxy): one at full speed, one with a second added
 to every round trip. Each serves a cold prompt first (its steps give the engine's
-recompute cost), then the returning prompt. Played once per session (engine starts are
-the cost).
+recompute cost), then the returning prompt, in a pool too small for both: the return
+reuses blocks whose store to Redis is still in flight. Played once per session (engine
+starts are the cost).
 
 Times are checked against the proxy's delay only (a request that waited for the slow
 Redis took at least a second; a 200-token prefill of the tiny model takes milliseconds),
@@ -79,14 +80,12 @@ def _play(model: Path, workdir: Path) -> SlowScenario:
                     redis_socket_timeout_s=30.0,
                     redis_connect_timeout_s=30.0,
                 )
-                # a pool that holds both prompts: the return never waits for the cold
-                # prompt's store to free its blocks (vLLM's flush of a store in flight:
-                # a slow link's store holds block reuse, which is not decided here)
+                # the 24-block pool, which cannot hold both prompts: the return reuses
+                # the blocks of the cold prompt, whose store is still on its way through
+                # the link (vLLM flushes it first; a Redis store copied its blocks into
+                # host memory when submitted, so that flush does not wait for Redis)
                 job: EngineJob = replace(
-                    base,
-                    rounds=_reader_rounds(cold, prompt),
-                    kv_transfer_config=config,
-                    num_blocks=48,
+                    base, rounds=_reader_rounds(cold, prompt), kv_transfer_config=config
                 )
                 results.append(run_job(job, workdir=workdir))
     finally:
@@ -113,7 +112,8 @@ def test_a_returning_prompt_is_recomputed_where_redis_is_slower(
 ) -> None:
     (returned,) = slow_scenario.slow.round("return")
     assert returned.num_cached_tokens == 0  # Redis holds it, behind a 1 s round trip
-    assert returned.wall_s < SLOW_S  # never waited for the answer
+    # never waited for the answer, nor for the cold prompt's store to free its blocks
+    assert returned.wall_s < SLOW_S
     (written,) = slow_scenario.writer.round("write")
     assert_same_output(returned, written)
 

@@ -91,7 +91,7 @@ class Engine:
 
     def run(self, job_id: int) -> tuple[bool, Any]:
         """Wait for a job; its result and the report as the scheduler would receive it."""
-        self.worker.wait({job_id})
+        self.worker.wait_finished({job_id})
         (result,) = [r for r in self.worker.get_finished() if r.job_id == job_id]
         meta = KvtierWorkerMetadata(report=self.worker.take_report())
         if meta.report.worth_sending():  # as KvtierConnector does

@@ -91,7 +91,7 @@ class Worker:
             self.worker.submit_load(job, spec, device)
         else:
             self.worker.submit_store(job, device, spec)
-        self.worker.wait({job})
+        self.worker.wait_finished({job})
         (result,) = [r for r in self.worker.get_finished() if r.job_id == job]
         assert result.success and not self.worker.take_report()
 

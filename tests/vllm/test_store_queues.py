@@ -4,6 +4,7 @@ proxy, stalled so that a store stays in flight."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ def test_a_tier_behind_sheds_stores_and_counts_them(engines: list[Engine], tmp_p
             assert ("redis",) not in stats.get(METRICS["store_failures"].name, {})
 
             proxy.resume()
-            engine.worker.wait({1})
+            engine.worker.wait_finished({1})
             assert [r.job_id for r in engine.worker.get_finished()] == [1]
             engine.manager.complete_store(first, engine.ctx)
             reader = Engine({"cpu_bytes_to_use": 8 * BLOCK_BYTES, "redis_url": server.url})
@@ -70,6 +71,58 @@ def test_a_tier_behind_sheds_stores_and_counts_them(engines: list[Engine], tmp_p
             found = [reader.manager.remote.lookup([k[:-4]]) for k in first + second]
             assert found == [1, 1, 0, 0]  # the first store reached Redis, the shed one not
             assert engine.hits(second) == 2  # the CPU tier kept its part
+    finally:
+        next(servers, None)
+
+
+def test_a_slow_redis_store_frees_the_engines_blocks_at_once(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """vLLM waits for a store's job before it reuses the job's blocks (its flush:
+    `worker.wait`). A Redis store copies its blocks into host memory when submitted, so
+    that flush returns while Redis is stalled, the engine overwrites the blocks, and
+    Redis still gets the blocks as they were; the copies stay within the Redis store
+    queue's bound (a store past it is shed)."""
+    servers = serve_redis(tmp_path)
+    server = next(servers)
+    try:
+        with ShapingProxy(("127.0.0.1", server.port)) as proxy:
+            extra = {
+                "cpu_bytes_to_use": 8 * BLOCK_BYTES,
+                "redis_url": proxy.url,
+                "redis_socket_timeout_s": 60.0,
+                "redis_store_queue_bytes": 2 * BLOCK_BYTES,
+            }
+            engine = Engine(extra)
+            engines.append(engine)
+            first, second = keys_of(2, start=750), keys_of(2, start=760)
+            data = engine.compute([0, 1], seed=8)
+            proxy.stall()
+            submit_store(engine, 1, first, [0, 1])
+            flush = threading.Thread(target=engine.worker.wait, args=({1},), daemon=True)
+            flush.start()
+            flush.join(timeout=30)
+            assert not flush.is_alive()  # the blocks are free while Redis is stalled
+            assert 1 not in [r.job_id for r in engine.worker.get_finished()]  # not stored yet
+            engine.compute([0, 1], seed=9)  # the engine reuses them
+            engine.compute([2, 3], seed=10)
+            submit_store(engine, 2, second, [2, 3])  # past the bound: shed from Redis
+            assert engine.worker.take_report().shed_stores == {REMOTE: [k[:-4] for k in second]}
+
+            proxy.resume()
+            engine.worker.wait_finished({1, 2})
+            results = engine.worker.get_finished()
+            assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
+            engine.manager.complete_store(first, engine.ctx)
+            reader = Engine({"cpu_bytes_to_use": 8 * BLOCK_BYTES, "redis_url": server.url})
+            engines.append(reader)
+            for k in first:
+                reader.manager.lookup(k, reader.ctx)
+            assert reader.manager.remote.wait_lookups(timeout=30)
+            assert reader.hits(first) == 2
+            errors, _ = reader.load(first, [4, 5])
+            assert not errors
+            assert [reader.block_bytes(i) for i in (4, 5)] == list(data.values())
     finally:
         next(servers, None)
 
@@ -115,7 +168,7 @@ def test_under_vllms_own_connector_nothing_is_shed(engines: list[Engine], tmp_pa
             submit_store(engine, 2, second, [2, 3])
             assert not engine.worker.take_report().shed_stores
             proxy.resume()
-            engine.worker.wait({1, 2})
+            engine.worker.wait_finished({1, 2})
             results = engine.worker.get_finished()
             assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
     finally:

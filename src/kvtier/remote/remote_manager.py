@@ -63,6 +63,9 @@ class RemoteLoadStoreSpec(LoadStoreSpec):
         self.salt = salt
         # a load's `kv_store.LoadGuard`, set where the bytes move (a worker with a deadline)
         self.guard: Any = None
+        # a store's copy of its blocks in host memory, set where the bytes move (the
+        # worker's, `StagedHandler.snapshot`): the engine's blocks are free at once
+        self.staged: Any = None
 
     @staticmethod
     def medium() -> str:

@@ -280,8 +280,27 @@ class StagedHandler:
         """Host bytes held for staging (pinned with CUDA): grown to the largest job, kept."""
         return sum(s.buffer.numel() for s in self._staging.values())
 
+    def snapshot(self, device_ids: npt.NDArray[np.int64]) -> _Staging:
+        """A copy of these device blocks in host rows of their own, taken now on the
+        calling thread. For a store that may wait long for its medium (a slow Redis): set
+        as the store spec's `staged`, the store writes from it, so the engine may reuse
+        the blocks at once. A CPU device only: there the blocks' last writes are done
+        when their store is submitted (a GPU's would need the compute stream's event)."""
+        if self.kv.device.type != "cpu":
+            raise ValueError(f"snapshot of blocks on {self.kv.device}: a CPU device only")
+        staging = _Staging(self.kv.layout, len(device_ids), pin_memory=False)
+        self._to_staging(device_ids, staging)
+        return staging
+
     def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
         moved = len(device_ids) * self.kv.layout.bytes_per_block
+        staged: _Staging | None = getattr(spec, "staged", None)
+        if staged is not None:  # copied out of the engine's blocks at submission
+            try:
+                self.medium.write_blocks(spec, staged.rows)
+            finally:
+                spec.staged = None  # type: ignore[attr-defined]  # its memory goes now
+            return moved
         if self._rows:
             self.medium.write_blocks(spec, self._row_views(device_ids))
             return moved
@@ -369,7 +388,8 @@ class _Staging:
 
     def __init__(self, layout: KVLayout, num_rows: int, *, pin_memory: bool) -> None:
         size = layout.segment_bytes
-        # (in huge pages off CUDA: a job's first use of fresh 4 KiB pages is slow)
+        # (in huge pages off CUDA: a job's first use of fresh 4 KiB pages is slow; and
+        # zeroed lazily, page by page as written: a snapshot's rows cost no zeroing pass)
         self.buffer = host_buffer((num_rows, layout.bytes_per_block), pin_memory=pin_memory)
         self.segments = [
             self.buffer[:, k * size : (k + 1) * size] for k in range(layout.num_segments)

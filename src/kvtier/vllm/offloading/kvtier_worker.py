@@ -50,6 +50,7 @@ from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
 from kvtier.transfer.cascade_handler import CascadeHandler
+from kvtier.transfer.handlers import StagedHandler
 from kvtier.transfer.pages import PagedDeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
@@ -216,6 +217,15 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._store_cap = {LOCAL: config.store_queue_bytes(True)}
         self._store_cap[REMOTE] = config.store_queue_bytes(False)
         self._store_queued = dict.fromkeys(self._store_cap, 0)
+        # Redis store parts copied into host memory at submission (`_stage_remote`), whose
+        # device blocks a flush need not wait for; on a CPU device only (see `snapshot`)
+        self._staged: set[int] = set()
+        handler = self.workers[REMOTE].handler if REMOTE in self.workers else None
+        self._stager = (
+            handler
+            if isinstance(handler, StagedHandler) and handler.kv.device.type == "cpu"
+            else None
+        )
         freeze_startup_heap()
 
     # --- submission ----------------------------------------------------------
@@ -250,6 +260,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if not is_load and self.report_failures:
             parts = self._admit_stores(parts)
         subs = [(next(self._sub_ids), part) for part in parts]
+        if not is_load and self.report_failures:
+            self._stage_remote(subs, device_ids)
         with self._lock:
             self._jobs[job_id] = job
             for sub, part in subs:
@@ -282,6 +294,21 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 self._store_queued[part.tier] = queued + nbytes
                 admitted.append(part)
         return admitted
+
+    def _stage_remote(
+        self, subs: list[tuple[int, Part]], device_ids: npt.NDArray[np.int64]
+    ) -> None:
+        """Copy each Redis store part's blocks into host memory now, so that vLLM may
+        reuse the engine's blocks without waiting for a slow Redis (its flush, `wait`).
+        The copies are what the Redis store queue counts: at most its bound in all (a
+        part larger than the whole bound is sent from the engine's blocks instead)."""
+        if self._stager is None:
+            return
+        for sub, part in subs:
+            nbytes = len(part.positions) * self._block_bytes
+            if isinstance(part.spec, RemoteLoadStoreSpec) and nbytes <= self._store_cap[REMOTE]:
+                part.spec.staged = self._stager.snapshot(device_ids[part.positions])
+                self._staged.add(sub)
 
     # --- results -------------------------------------------------------------
 
@@ -363,6 +390,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 return  # a discard job
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
+            if tier == REMOTE:
+                self._staged.discard(sub)
             if not job.is_load and self.report_failures:  # its room in the queue is free
                 queued = self._store_queued[part.tier] - len(part.positions) * self._block_bytes
                 self._store_queued[part.tier] = max(queued, 0)
@@ -488,7 +517,18 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 return
 
     def wait(self, job_ids: set[int]) -> None:
-        """Block until these jobs are done (a promotion starts only after its load)."""
+        """Block until the engine's blocks of these jobs are free to reuse (vLLM's flush
+        before it reallocates them): every part is done (a promotion starts only after
+        its load) but the Redis stores already copied into host memory, which finish
+        on their own and complete their jobs later."""
+        self._wait(job_ids, staged=False)
+
+    def wait_finished(self, job_ids: set[int]) -> None:
+        """Block until these jobs are done, every part (their results are then in
+        `get_finished`)."""
+        self._wait(job_ids, staged=True)
+
+    def _wait(self, job_ids: set[int], staged: bool) -> None:
         while True:
             with self._lock:
                 subs = {
@@ -496,6 +536,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     for job_id in job_ids
                     if (job := self._jobs.get(job_id)) is not None
                     for sub, part in job.waiting.items()
+                    if staged or sub not in self._staged
                 }
             if not subs:
                 return

@@ -1,0 +1,123 @@
+"""bench_serving's tier profiles: what the tiers below kvtier's CPU tier do during a run.
+
+A profile names one kvtier server and, for a Redis tier, how the link to it is shaped
+(`kvtier.remote.shaping_proxy` in front of a real redis-server):
+
+    cpu                               kvtier's CPU tier alone (the healthy default)
+    redis                             a CPU tier over a Redis tier on a healthy link
+    redis:delay_ms=50                 every Redis round trip 50 ms longer
+    redis:rate_mb_s=20                the link capped at 20 MB/s each way
+    redis:stall_after=8               Redis stops answering after the run's 8th request
+                                      (until the run ends)
+
+Fields combine (`redis:delay_ms=50:rate_mb_s=20`). Every profile runs beside vLLM alone
+on the same workload, rates and warm-up (bench_serving). The Redis server's CPU tier
+holds one pool's worth of blocks (`REDIS_CPU_POOLS`), so that a reuse workload's
+returning prefixes are also asked of Redis and its load-or-recompute decisions show;
+its Redis calls may take `REDIS_SOCKET_TIMEOUT_S` (an operator of a slow Redis raises
+the 0.25 s default; a stalled one then costs that long per call until the circuit
+breaker opens).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtier.remote.shaping_proxy import LinkProfile, ShapingProxy
+
+REDIS_CPU_POOLS = 1
+REDIS_SOCKET_TIMEOUT_S = 2.0
+FIELDS = {
+    "delay_ms": "milliseconds added to each round trip, a number >= 0",
+    "rate_mb_s": "the link's cap each way in MB/s, a number > 0",
+    "stall_after": "requests answered before Redis stalls, an integer >= 0",
+}
+
+
+@dataclass(frozen=True)
+class TierProfile:
+    """One profile (see the module docstring); `name` is the text it was read from."""
+
+    name: str
+    redis: bool = False
+    delay_s: float = 0.0
+    rate_bytes_per_s: float | None = None
+    stall_after: int | None = None
+
+    @property
+    def server(self) -> str:
+        """The kvtier server that runs it (one per kind, shared by profiles)."""
+        return "kvtier_redis" if self.redis else "kvtier"
+
+    @property
+    def link(self) -> LinkProfile:
+        return LinkProfile.round_trip(self.delay_s, self.rate_bytes_per_s)
+
+    def stall_hook(self, proxy: ShapingProxy | None) -> Callable[[int], None] | None:
+        """A load client's `before(i)`: stalls the link before request `stall_after`."""
+        after = self.stall_after
+        if after is None or proxy is None:
+            return None
+
+        def before(i: int) -> None:
+            if i == after:
+                proxy.stall()
+
+        return before
+
+
+def parse_profile(text: str) -> TierProfile:
+    """`text` as a profile; a ValueError names the profile, the part and what is allowed."""
+    kind, *fields = text.strip().split(":")
+    if kind == "cpu" and not fields:
+        return TierProfile(text)
+    if kind != "redis":
+        raise ValueError(
+            f"tier profile {text!r}: unknown kind {kind!r}; allowed: cpu, "
+            f"redis[:FIELD=VALUE...] with FIELD one of {', '.join(FIELDS)}"
+        )
+    values: dict[str, float] = {}
+    for field in fields:
+        key, sep, raw = field.partition("=")
+        if key not in FIELDS or not sep:
+            raise ValueError(
+                f"tier profile {text!r}: {field!r} is not FIELD=VALUE with FIELD one of "
+                f"{', '.join(FIELDS)}"
+            )
+        values[key] = _number(text, key, raw)
+    stall = values.get("stall_after")
+    return TierProfile(
+        text,
+        redis=True,
+        delay_s=values.get("delay_ms", 0.0) / 1000,
+        rate_bytes_per_s=values["rate_mb_s"] * 1e6 if "rate_mb_s" in values else None,
+        stall_after=None if stall is None else int(stall),
+    )
+
+
+def _number(profile: str, key: str, raw: str) -> float:
+    allowed = f"tier profile {profile!r}: {key}={raw!r}; {FIELDS[key]}"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(allowed) from None
+    bad = (
+        not math.isfinite(value)
+        or value < 0
+        or (key == "rate_mb_s" and value == 0)
+        or (key == "stall_after" and value != int(value))
+    )
+    if bad:
+        raise ValueError(allowed)
+    return value
+
+
+def parse_profiles(text: str) -> list[TierProfile]:
+    """A comma list of profiles, each once."""
+    profiles = [parse_profile(part) for part in text.split(",") if part.strip()]
+    names = [p.name for p in profiles]
+    if not profiles or len(set(names)) != len(names):
+        raise ValueError(f"tier profiles {text!r}: give at least one, each once")
+    return profiles

@@ -1,0 +1,118 @@
+"""bench_serving's tier profiles and bench_vllm's crossover table, without an engine:
+how a profile is read (and a bad one refused, naming what is allowed), what a stall
+profile does to the link, and how the crossover's cells are judged."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from benchmarks.bench_serving import parse_rates
+from benchmarks.serving_profiles import TierProfile, parse_profile, parse_profiles
+from benchmarks.vllm_crossover import SIDES, TOKENS, Request, plan, summarize
+
+from kvtier.vllm.engines import RequestResult
+
+
+def test_profiles_are_read_field_by_field() -> None:
+    assert parse_profile("cpu") == TierProfile("cpu")
+    slow = parse_profile("redis:delay_ms=50:rate_mb_s=20")
+    assert (slow.redis, slow.delay_s, slow.rate_bytes_per_s) == (True, 0.05, 20e6)
+    assert slow.link.up_delay_s == slow.link.down_delay_s == 0.025
+    assert parse_profile("redis:stall_after=8").stall_after == 8
+    assert parse_profile("redis").server == "kvtier_redis"
+    assert [p.name for p in parse_profiles("cpu,redis:delay_ms=5")] == ["cpu", "redis:delay_ms=5"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("disk", "unknown kind 'disk'; allowed: cpu, redis"),
+        ("cpu:delay_ms=5", "unknown kind 'cpu'"),
+        ("redis:delay=5", "'delay=5' is not FIELD=VALUE with FIELD one of delay_ms"),
+        ("redis:delay_ms", "'delay_ms' is not FIELD=VALUE"),
+        ("redis:delay_ms=-5", "delay_ms='-5'; milliseconds added to each round trip"),
+        ("redis:delay_ms=fast", "delay_ms='fast'; milliseconds"),
+        ("redis:delay_ms=inf", "delay_ms='inf'"),
+        ("redis:rate_mb_s=0", "rate_mb_s='0'; the link's cap each way in MB/s, a number > 0"),
+        ("redis:stall_after=1.5", "stall_after='1.5'; requests answered before Redis stalls"),
+        ("redis:stall_after=-1", "stall_after='-1'"),
+    ],
+)
+def test_a_bad_profile_names_the_part_and_what_is_allowed(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=f"tier profile '{text}'.*") as err:
+        parse_profile(text)
+    assert message in str(err.value)
+
+
+def test_profiles_are_given_once_each() -> None:
+    with pytest.raises(ValueError, match="each once"):
+        parse_profiles("redis,redis")
+    with pytest.raises(ValueError, match="at least one"):
+        parse_profiles(",")
+
+
+def test_rates_are_positive_and_increasing() -> None:
+    assert parse_rates("0.5,1,inf") == (0.5, 1.0, math.inf)
+    for bad in ("0", "-1", "fast", "nan", "2,1", "1,1"):
+        with pytest.raises(ValueError, match="--rates"):
+            parse_rates(bad)
+
+
+class _Proxy:
+    def __init__(self) -> None:
+        self.stalled = False
+
+    def stall(self) -> None:
+        self.stalled = True
+
+
+def test_a_stall_profile_stalls_the_link_before_its_request() -> None:
+    proxy = _Proxy()
+    hook = parse_profile("redis:stall_after=2").stall_hook(proxy)  # type: ignore[arg-type]
+    assert hook is not None
+    hook(0), hook(1)
+    assert not proxy.stalled
+    hook(2)
+    assert proxy.stalled
+    assert parse_profile("redis:delay_ms=5").stall_hook(proxy) is None  # type: ignore[arg-type]
+
+
+def _result(seconds: float, cached: int = 0) -> RequestResult:
+    return RequestResult((1,), ({1: 0.0},), cached, seconds, None)
+
+
+def test_the_crossover_plan_warms_up_every_delay_then_walks_the_lengths() -> None:
+    requests = plan(repeats=2)
+    by_delay = [r for r in requests if r.delay_s == requests[0].delay_s]
+    assert [r.kind for r in by_delay[:3]] == ["cold", "warm", "warm"]
+    assert [r.tokens for r in by_delay[3:]] == [*TOKENS, *TOKENS]
+    prompts = [p for r in requests for p in r.prompts]
+    assert len(set(prompts)) == len(prompts)  # every prompt new
+    cold = requests[0]
+    assert not cold.in_redis and requests[1].in_redis
+    # each side computes a cold prompt of its own (none finds another's in Redis)
+    assert len({cold.prompt(side) for side in SIDES}) == len(SIDES)
+    assert len({requests[1].prompt(side) for side in SIDES}) == 1
+
+
+def test_a_crossover_cell_is_judged_against_the_better_side() -> None:
+    requests = [
+        Request(0.2, "cell", 256, ((1,),)),
+        Request(0.2, "cell", 256, ((2,),)),
+        Request(0.2, "cell", 4096, ((3,),)),
+        Request(0.2, "cell", 4096, ((4,),)),
+    ]
+    seconds = {  # 256 tokens: recompute wins; 4,096: loading wins
+        "recompute": [0.30, 0.34, 8.0, 8.2],
+        "always": [0.60, 0.62, 0.5, 0.7],
+        "measured": [0.33, 0.35, 0.9, 0.9],
+    }
+    served = {side: [_result(s) for s in seconds[side]] for side in SIDES}
+    rows = summarize(requests, served)["rows"]
+    short, long = rows
+    assert short["measured_vs_best"] == pytest.approx(0.34 / 0.32)
+    assert short["meets_target"]
+    assert long["measured_vs_best"] == pytest.approx(0.9 / 0.6)
+    assert not long["meets_target"]
+    assert long["spread"]["always"] == pytest.approx(0.7 / 0.5)
