@@ -23,7 +23,7 @@ with quiet():
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         OffloadingWorkerMetadata,
     )
-    from vllm.v1.kv_offload.base import LookupResult
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
     from kvtier.remote.codec import BlockCodec
     from kvtier.vllm.offloading.engine_shape import layout_for, shard_root
@@ -93,6 +93,8 @@ def test_a_block_counts_only_when_every_rank_has_its_shard(
     errors, report = second.load(keys[1:], [8, 9, 10])
     assert errors == {8, 9, 10}  # rank 1's failed part: vLLM recomputes them on all ranks
     assert report.corrupt_blocks == [keys[1][:-4]]
+    assert second.hits(keys[1:]) == [False] * 3  # that request recomputes them all
+    second.ctx = ReqContext(req_id="another request")
     assert second.hits(keys[1:]) == [False, True, True]  # forgotten on every rank
     errors, report = second.load(keys[2:], [9, 10])  # the intact blocks still serve
     assert not errors and not report

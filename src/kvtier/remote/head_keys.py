@@ -170,6 +170,7 @@ class HeadKeyedStore(RedisBlockStore):
     def _whole_at(self, block_hashes: list[bytes], salt: str | None) -> list[int | None]:
         """For each block, the first grouping (in `sizes` order) whose every group is
         there, or None: one round trip of header reads."""
+        self.lookup_round_trips += 1
         pipe = self.client.pipeline(transaction=False)
         asked = []
         for block_hash in block_hashes:

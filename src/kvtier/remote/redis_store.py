@@ -67,6 +67,9 @@ class RedisBlockStore:
         self.config = config
         self.breaker = CircuitBreaker(config.breaker, clock)
         self._counters = RemoteCounters()
+        # lookup round trips made so far: a lookup may take several (another layout's
+        # values, see head_keys), and the cost model's estimate is of one
+        self.lookup_round_trips = 0
         self._base = f"{config.key_prefix}:{codec.fp_digest[:8].hex()}:".encode()
         self._namespaces: dict[str | None, bytes] = {}
         self._buffers = ValueBuffers()
@@ -284,6 +287,7 @@ class RedisBlockStore:
         expected bytes, and the header of the value that stopped the walk (b"" if absent
         or none did): one round trip (the lookup script for one question on one node,
         else a pipeline). Unguarded: the caller guards it."""
+        self.lookup_round_trips += 1
         script = self._prefix_script
         if script is not None and len(keys) == 1 and len(keys[0]) > 1:
             try:

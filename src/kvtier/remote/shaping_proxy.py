@@ -107,8 +107,8 @@ class _Direction:
                 if rate is not None:  # the chunk takes its time on the link, then arrives
                     time.sleep(len(data) / rate)
                 proxy.wait_flowing()
+                proxy.count(len(data))  # before it arrives: a reader that got it sees it
                 self.dst.sendall(data)
-                proxy.count(len(data))
                 with self.cond:
                     self.chunks.popleft()
                     self.buffered -= len(data)

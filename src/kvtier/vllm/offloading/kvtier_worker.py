@@ -20,6 +20,8 @@ channel) results carry the real success flag.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import itertools
 import json
@@ -79,6 +81,17 @@ def _slots_of(part: Part) -> list[tuple[int, BlockHash]]:
         return []
     hashes = part.block_hashes
     return [(slot, hashes[p]) for slot, p in zip(slots.tolist(), positions, strict=True)]
+
+
+def _own(part: Part, **state: Any) -> Part:
+    """`part` with a spec of this worker's own carrying `state` (a load's guard, a store's
+    staged copy). The spec it came with may be shared: several workers of one process
+    (tensor-parallel tests) are handed the same object, where each worker process of an
+    engine gets its own, so state set on it would be another worker's."""
+    spec = copy.copy(part.spec)
+    for name, value in state.items():
+        setattr(spec, name, value)
+    return dataclasses.replace(part, spec=spec)
 
 
 def _timed_blocks(part: Part) -> int:
@@ -253,15 +266,18 @@ class KvtierOffloadingWorker(OffloadingWorker):
         deadline_s = getattr(spec, "deadline_s", None)
         if is_load and deadline_s is not None and self.report_failures:
             job.deadline, job.deadline_s = self.clock() + deadline_s, deadline_s
-            for part in parts:  # this process's copy of the spec
-                if isinstance(part.spec, RemoteLoadStoreSpec | CascadeLoadSpec):
-                    part.spec.guard = LoadGuard()
+            parts = [
+                _own(part, guard=LoadGuard())
+                if isinstance(part.spec, RemoteLoadStoreSpec | CascadeLoadSpec)
+                else part
+                for part in parts
+            ]
         # (vLLM's own connector has no way to hear of a shed store: it sheds none)
         if not is_load and self.report_failures:
             parts = self._admit_stores(parts)
         subs = [(next(self._sub_ids), part) for part in parts]
         if not is_load and self.report_failures:
-            self._stage_remote(subs, device_ids)
+            subs = self._stage_remote(subs, device_ids)
         with self._lock:
             self._jobs[job_id] = job
             for sub, part in subs:
@@ -297,18 +313,21 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def _stage_remote(
         self, subs: list[tuple[int, Part]], device_ids: npt.NDArray[np.int64]
-    ) -> None:
+    ) -> list[tuple[int, Part]]:
         """Copy each Redis store part's blocks into host memory now, so that vLLM may
         reuse the engine's blocks without waiting for a slow Redis (its flush, `wait`).
         The copies are what the Redis store queue counts: at most its bound in all (a
         part larger than the whole bound is sent from the engine's blocks instead)."""
         if self._stager is None:
-            return
+            return subs
+        staged = []
         for sub, part in subs:
             nbytes = len(part.positions) * self._block_bytes
             if isinstance(part.spec, RemoteLoadStoreSpec) and nbytes <= self._store_cap[REMOTE]:
-                part.spec.staged = self._stager.snapshot(device_ids[part.positions])
+                part = _own(part, staged=self._stager.snapshot(device_ids[part.positions]))
                 self._staged.add(sub)
+            staged.append((sub, part))
+        return staged
 
     # --- results -------------------------------------------------------------
 
