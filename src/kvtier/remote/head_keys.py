@@ -163,8 +163,7 @@ class HeadKeyedStore(RedisBlockStore):
         for (question, start), (items, stopper) in zip(starts, answers, strict=True):
             if stopper:  # present but refused: say why
                 block, group = divmod(items, len(groups))
-                status = groups[group].codec.check_prefix(question[start + block], stopper)
-                self._counters.add(**{_REFUSED.get(status, "malformed_blocks"): 1})
+                self._count_refused(groups[group].codec, question[start + block], stopper)
         return [items // len(groups) for items, _ in answers]
 
     def _whole_at(self, block_hashes: list[bytes], salt: str | None) -> list[int | None]:

@@ -10,7 +10,6 @@ wrote, out of that layout's values.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from kvtier.remote.head_codec import HeadGroup
 from kvtier.remote.head_keys import MAX_HEADS, HeadKeyedStore
 from kvtier.remote.kv_store import LoadGuard, RemoteStoreError, remote_spec
 from kvtier.store.layout import KVLayout
-from kvtier.store.protocol import BlockLoadError
+from kvtier.store.protocol import BlockLoadError, holding
 from kvtier.validate import positive_int
 
 
@@ -123,7 +122,7 @@ class HeadShardKVStore:
                     f"expected {len(row)} verified bytes); recompute it"
                 )
         guard: LoadGuard | None = getattr(remote, "guard", None)  # a deadline, see LoadGuard
-        with contextlib.nullcontext() if guard is None else guard.copying("a remote load"):
+        with holding(guard, "a remote load"):
             for row, value in zip(rows, values, strict=True):
                 assert value is not None  # checked above
                 row[:] = value

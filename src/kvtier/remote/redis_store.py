@@ -190,11 +190,15 @@ class RedisBlockStore:
 
     def _counted(self, block_hashes: Sequence[bytes], num_hits: int, stopper: bytes) -> int:
         """Count one answered lookup (and why a present block was refused)."""
-        if stopper:  # present but refused: say why
-            status = self.codec.check_prefix(block_hashes[num_hits], stopper)
-            self._counters.add(**{_REFUSED.get(status, "malformed_blocks"): 1})
+        if stopper:
+            self._count_refused(self.codec, block_hashes[num_hits], stopper)
         self._counters.add(lookups=1, lookup_hit_blocks=num_hits)
         return num_hits
+
+    def _count_refused(self, codec: BlockCodec, block_hash: bytes, stopper: bytes) -> None:
+        """A block present but refused by a lookup (`stopper`: its header): say why."""
+        status = codec.check_prefix(block_hash, stopper)
+        self._counters.add(**{_REFUSED.get(status, "malformed_blocks"): 1})
 
     def store(
         self,

@@ -35,7 +35,9 @@ the worker reports it and never lets it reach the scheduler.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 from kvtier.offload.abstract import LoadStoreSpec
@@ -44,6 +46,18 @@ from kvtier.store.layout import KVLayout
 
 class BlockLoadError(RuntimeError):
     """A load could not return intact bytes (missing, torn or corrupt block)."""
+
+
+class Guard(Protocol):
+    """A load that may be given up (`kv_store.LoadGuard`): `copying` holds off the
+    giving up while a copy into the engine runs, and raises if it came first."""
+
+    def copying(self, what: str) -> AbstractContextManager[None]: ...
+
+
+def holding(guard: Guard | None, what: str) -> AbstractContextManager[None]:
+    """The copy of a load into the engine's memory, under its guard if it has one."""
+    return contextlib.nullcontext() if guard is None else guard.copying(what)
 
 
 @runtime_checkable

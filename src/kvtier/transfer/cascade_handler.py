@@ -17,10 +17,8 @@ the disk writes queued before it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -32,17 +30,13 @@ from kvtier.offload.disk_manager import DiskLoadStoreSpec
 from kvtier.offload.mediums import CPULoadStoreSpec
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.memory import MemoryStore
-from kvtier.store.protocol import BlockLoadError
+from kvtier.store.protocol import BlockLoadError, Guard, holding
 from kvtier.transfer.device import DeviceKV
-from kvtier.transfer.handlers import Guard, HostSlotHandler, StagedHandler
+from kvtier.transfer.handlers import HostSlotHandler, StagedHandler
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
 
 log = logging.getLogger(__name__)
-
-
-def _holding(guard: Guard | None, what: str) -> AbstractContextManager[None]:
-    return contextlib.nullcontext() if guard is None else guard.copying(what)
 
 
 class CascadeHandler:
@@ -134,13 +128,13 @@ class CascadeHandler:
         guard: Guard | None = spec.guard
         moved = 0
         if spec.cpu is not None:
-            with _holding(guard, "a cascade load's CPU blocks"):
+            with holding(guard, "a cascade load's CPU blocks"):
                 moved += self._host.load(spec.cpu, device_ids[spec.cpu_positions], ready)
         if spec.disk is not None:
             moved += self._load_disk(spec, device_ids, ready, guard)
         if spec.promotion is not None:
             promoted = device_ids[spec.promotion_positions]
-            with _holding(guard, "a cascade load's promotion"):
+            with holding(guard, "a cascade load's promotion"):
                 moved += self._host.store(promoted, spec.promotion, None)
         return moved
 
@@ -170,7 +164,7 @@ class CascadeHandler:
         slot_set = set(from_slot)
         rest = [i for i in range(len(positions)) if i not in slot_set]
         slots = CPULoadStoreSpec([spec.demoting[positions[i]] for i in from_slot])
-        with _holding(guard, "a cascade load's blocks being demoted"):
+        with holding(guard, "a cascade load's blocks being demoted"):
             moved = self._host.load(slots, device_ids[[positions[i] for i in from_slot]], ready)
         if rest:
             sub = DiskLoadStoreSpec(

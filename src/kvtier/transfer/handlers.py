@@ -13,13 +13,11 @@ A handler method raises on failure; the worker turns that into a failed job.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import numpy as np
@@ -30,7 +28,7 @@ from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.mediums import BlockIDsLoadStoreSpec
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore, block_segments, host_buffer
-from kvtier.store.protocol import BlockStore
+from kvtier.store.protocol import BlockStore, Guard, holding
 from kvtier.transfer.cuda_copy import HostSide, KernelCopier, prefer_kernel
 from kvtier.transfer.device import (
     DeviceKV,
@@ -56,13 +54,6 @@ class TransferHandler(Protocol):
     def load(
         self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64], ready: Any = None
     ) -> int: ...
-
-
-class Guard(Protocol):
-    """A load that may be given up (`kv_store.LoadGuard`): `copying` holds off the
-    giving up while a copy into the engine runs, and raises if it came first."""
-
-    def copying(self, what: str) -> AbstractContextManager[None]: ...
 
 
 class Streams:
@@ -334,7 +325,7 @@ class StagedHandler:
             return moved
         staging = self._stage("load", len(device_ids))
         self.medium.read_blocks(spec, staging.rows[: len(device_ids)])
-        with contextlib.nullcontext() if guard is None else guard.copying("the staged load"):
+        with holding(guard, "the staged load"):
             self._streams.run(
                 self._streams.load, ready, lambda: self._from_staging(staging, device_ids)
             )
