@@ -99,6 +99,8 @@ def test_samples_that_cannot_be_times_are_ignored() -> None:
         ({"smoothing": 0}, "smoothing=0; a number in \\(0, 1\\]"),
         ({"smoothing": "fast"}, "smoothing='fast'; a number in \\(0, 1\\]"),
         ({"unmeasured_wait_s": -1}, "unmeasured_wait_s=-1; a finite number of seconds >= 0"),
+        ({"sync_wait_s": math.inf}, "sync_wait_s=inf; a finite number of seconds >= 0"),
+        ({"sync_wait_s": "1ms"}, "sync_wait_s='1ms'; a finite number of seconds >= 0"),
     ],
 )
 def test_bad_settings_name_the_value_and_what_is_allowed(
@@ -137,3 +139,35 @@ def test_a_tier_recomputed_around_is_loaded_once_in_a_while_to_measure_it_again(
     for _ in range(30):
         cost.observe_load("disk", 10, 0.001)  # the probes' loads: the disk recovered
     assert cost.decide("disk", 2)
+
+
+def test_only_a_fast_tier_is_waited_for_in_place_and_never_past_what_it_could_save() -> None:
+    cost = model()
+    cap = CostConfig().sync_wait_s
+    assert cost.sync_wait_s("redis", 8, 0.0) == cap  # no round trip seen yet: assumed fast
+    cost.observe_step(TOKENS * 10, 0.01)  # 1 ms a block to recompute
+    cost.observe_round_trip("redis", cap / 4)
+    assert cost.sync_wait_s("redis", 8, 0.0) == cap  # could save up to 8 ms
+    assert cost.sync_wait_s("redis", 1, 0.0) == pytest.approx(1e-3 - cap / 4)
+    assert cost.sync_wait_s("redis", 8, 1.0) == 0.0  # waited longer than it could save
+    cost.observe_round_trip("redis", 1.0)  # slowed down: deferring beats waiting in place
+    assert cost.sync_wait_s("redis", 8, 0.0) == 0.0
+    off = CostModel(CostConfig(sync_wait_s=0), TOKENS)
+    assert off.sync_wait_s("redis", 8, 0.0) == 0.0
+
+
+def test_a_lookup_is_waited_for_as_long_as_it_is_expected_to_save() -> None:
+    cost = model()
+    cost.observe_step(TOKENS * 10, 0.1)  # 10 ms a block: 10 blocks could save 0.1 s
+    assert cost.hit_share("redis") == 1.0
+    assert cost.wait_budget_s("redis", 10) == pytest.approx(0.1)
+    for _ in range(10):  # no reuse: every first lookup misses
+        cost.observe_lookup("redis", False)
+    assert cost.hit_share("redis") == pytest.approx(0.8**10)
+    assert cost.wait_budget_s("redis", 10) == pytest.approx(0.1 * 0.8**10)
+    cost.observe_round_trip("redis", 0.02)
+    assert cost.lookup_too_slow("redis", 10)  # 20 ms to expect to save about 11
+    cost.observe_lookup("redis", True)  # prompts come back: the wait grows again
+    assert cost.hit_share("redis") == pytest.approx(0.8**11 + 0.2)
+    assert not cost.lookup_too_slow("redis", 10)
+    assert cost.gauges()["cost_lookup_hit_share", "redis"] == cost.hit_share("redis")

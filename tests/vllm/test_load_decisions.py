@@ -6,6 +6,7 @@ engine steps would give it; the Redis costs are what the proxy makes them, measu
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -222,3 +223,81 @@ def test_a_load_from_a_stalled_redis_is_given_up_at_its_deadline(
     assert stats[METRICS["load_expired_blocks"].name] == {("redis",): 2}
     # the request, rescheduled by vLLM, asks again: its failed blocks now miss
     assert reader.manager.lookup(keys[0], ctx) is LookupResult.MISS
+
+
+def told_prompt(engine: Engine, keys: list[bytes], req_id: str) -> ReqContext:
+    """A request as `KvtierConnector` hands it over: its length told to the manager, and
+    each key's end token recorded (as vLLM's scheduler records them)."""
+    ctx = ReqContext(req_id=req_id)
+    for i, key in enumerate(keys):
+        ctx.set_offload_key_position(key, (i + 1) * TOKENS)
+    engine.manager.note_prompt(req_id, len(keys) * TOKENS)
+    return ctx
+
+
+def wait_in_place(engine: Engine, seconds: float) -> None:
+    cost = engine.manager.cost
+    assert cost is not None
+    cost.config = replace(cost.config, sync_wait_s=seconds)
+
+
+def test_a_cold_prompt_is_answered_in_its_first_pass_where_redis_answers_in_time(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    """vLLM defers a request whose lookup is not answered yet by a whole step; a fast
+    tier's answer is waited for in place instead (here with a bound long enough for any
+    machine: the wait ends when the answer comes)."""
+    server, proxy = redis_proxy
+    _, reader, keys = writer_and_reader(engines, server, proxy)
+    recompute_per_block(reader, 10.0)
+    wait_in_place(reader, 30.0)
+    cold = keys_of(6, start=9000)
+    assert scan(reader, cold, told_prompt(reader, cold, "cold")) == 0  # final, not deferred
+    # a returning prompt: its first key's hit is known in place, the rest are asked in one
+    # round trip while the request waits a step, and the run is loaded whole
+    ctx = told_prompt(reader, keys[:4], "returning")
+    assert scan(reader, keys[:4], ctx) is None
+    assert settle(reader, keys[:4], ctx) == 4
+    # not told the prompt's length (another connector): the first pass defers, as before
+    assert scan(reader, cold[:3], ReqContext(req_id="untold")) is None
+    assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
+
+
+def test_a_slow_redis_is_not_waited_for_once_its_round_trips_are_known(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    server, proxy = redis_proxy
+    _, reader, keys = writer_and_reader(engines, server, proxy)
+    proxy.reshape(LinkProfile.round_trip(SLOW))
+    recompute_per_block(reader, 0.001)  # 4 blocks save at most 4 ms: less than a trip
+    wait_in_place(reader, 30.0)  # a slow tier is not waited for in place either
+    assert settle(reader, keys[:2], ReqContext(req_id="first")) == 0  # measures the trips
+    assert decided(reader, "recompute") == 2  # (the counts are since the last scrape)
+    # neither deferred nor waited on: final in the first pass
+    assert scan(reader, keys[4:], told_prompt(reader, keys[4:], "told")) == 0
+    assert decided(reader, "recompute") == 4
+    assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
+
+
+def test_the_answers_of_requests_that_went_on_without_them_still_count(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    """The hit share (how long a request may wait, see `CostModel.wait_budget_s`) learns
+    from the requests that did not wait too: otherwise a share that fell would never
+    rise again."""
+    server, proxy = redis_proxy
+    _, reader, keys = writer_and_reader(engines, server, proxy)
+    cost = reader.manager.cost
+    assert cost is not None
+    proxy.reshape(LinkProfile.round_trip(SLOW))
+    recompute_per_block(reader, 0.001)
+    assert settle(reader, keys[:1], ReqContext(req_id="measure")) == 0  # a hit, too slow
+    assert cost.hit_share("redis") == 1.0
+    new = keys_of(3, start=8000)
+    assert scan(reader, new, told_prompt(reader, new, "went-on")) == 0  # did not wait
+    assert cost.hit_share("redis") == 1.0  # its answer is not in yet
+    assert reader.manager.wait_lookups(timeout=30)
+    other = keys_of(3, start=8100)
+    assert scan(reader, other, told_prompt(reader, other, "next")) == 0
+    assert cost.hit_share("redis") == pytest.approx(1 - CostConfig().smoothing)  # one miss
+    assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown

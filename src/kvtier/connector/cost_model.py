@@ -57,11 +57,14 @@ class CostConfig:
     `smoothing`: a new sample's weight in the moving averages, in (0, 1];
     `unmeasured_wait_s`: how long a lookup may hold a request before the engine has
     computed anything (what it could save is not known yet; a Redis call that takes
-    longer than the default socket timeout, 0.25 s, fails anyway)."""
+    longer than the default socket timeout, 0.25 s, fails anyway);
+    `sync_wait_s`: the longest the scheduler waits, in place, for a fast tier's answer
+    to a request's first lookup (see `sync_wait_s` the method)."""
 
     mode: Mode = "measured"
     smoothing: float = 0.2
     unmeasured_wait_s: float = 0.25
+    sync_wait_s: float = 0.002
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -71,9 +74,12 @@ class CostConfig:
             raise ValueError(f"cost smoothing={smoothing!r}; a number in (0, 1]")
         if not 0 < smoothing <= 1:
             raise ValueError(f"cost smoothing={smoothing!r}; a number in (0, 1]")
-        wait = self.unmeasured_wait_s
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < math.inf:
-            raise ValueError(f"unmeasured_wait_s={wait!r}; a finite number of seconds >= 0")
+        for name in ("unmeasured_wait_s", "sync_wait_s"):
+            wait = getattr(self, name)
+            if isinstance(wait, bool) or not isinstance(wait, int | float):
+                raise ValueError(f"{name}={wait!r}; a finite number of seconds >= 0")
+            if not 0 <= wait < math.inf:
+                raise ValueError(f"{name}={wait!r}; a finite number of seconds >= 0")
 
 
 class MovingAverage:
@@ -115,6 +121,8 @@ class CostModel:
         self.tokens_per_block = tokens_per_block
         self.tiers: dict[str, TierCost] = {}
         self.token_seconds = MovingAverage(config.smoothing)  # recompute, per token
+        # per tier: the share of requests whose first block asked of it was there
+        self.lookup_hits: dict[str, MovingAverage] = {}
         # (tier, "load" | "recompute") -> blocks decided that way
         self.decisions: Counter[tuple[str, str]] = Counter()
         self._declined_runs: Counter[str] = Counter()  # since the tier's last probe
@@ -137,6 +145,23 @@ class CostModel:
         cost = self.tier(tier)
         rtt = cost.round_trip.value or 0.0
         cost.block_seconds.add(max(seconds - rtt, 0.0) / num_blocks)
+
+    def observe_lookup(self, tier: str, found: bool) -> None:
+        """The answer to a request's first lookup of `tier` (its first block not in a
+        faster tier): whether the tier had it, so a run to load at all."""
+        share = self.lookup_hits.get(tier)
+        if share is None:  # from a prior of 1: one miss does not stop the waiting
+            share = self.lookup_hits[tier] = MovingAverage(self.config.smoothing)
+            share.value = 1.0
+        share.add(1.0 if found else 0.0)
+
+    def hit_share(self, tier: str) -> float:
+        """The moving share of requests whose first lookup of `tier` found a block, from
+        a prior of 1 (a tier never asked is assumed to have what is asked: each miss
+        then takes `smoothing` of the share away, so about ten in a row cut the wait
+        tenfold)."""
+        share = self.lookup_hits.get(tier)
+        return 1.0 if share is None or share.value is None else share.value
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """An engine step that computed `num_tokens` tokens in `seconds`. Steps of fewer
@@ -183,15 +208,23 @@ class CostModel:
 
     def wait_budget_s(self, tier: str, num_blocks: int) -> float:
         """The longest a request should wait for `tier`'s lookup of `num_blocks`: what the
-        lookup could save at best (recomputing them, less loading them); 0 once loading
-        them would not pay, `unmeasured_wait_s` before the engine computed anything."""
+        lookup is expected to save, what it could save at best (recomputing them, less
+        loading them) times the share of lookups that find anything (`hit_share`); 0
+        once loading them would not pay, `unmeasured_wait_s` before the engine computed
+        anything.
+
+        Expected, not best: with no reuse (every prompt new) a lookup that could save a
+        whole prefill finds nothing, and waiting for it each time would make every
+        request slower than with no cache at all. A workload whose prompts come back
+        raises the share, and the requests wait again (the answers keep coming for the
+        requests that did not wait: see `remote_runs`)."""
         if self.config.mode == "always":
             return math.inf
         recompute = self.recompute_seconds(num_blocks)
         if recompute is None:
             return self.config.unmeasured_wait_s
         load = self.load_seconds(tier, num_blocks) or 0.0
-        return max(recompute - load, 0.0)
+        return max(recompute - load, 0.0) * self.hit_share(tier)
 
     def load_deadline_s(self, tier: str, num_blocks: int) -> float | None:
         """How long a load of `num_blocks` from `tier` may take before it is given up and
@@ -208,6 +241,24 @@ class CostModel:
             return max(recompute, MIN_DEADLINE_S)
         return max(recompute, 2 * load, MIN_DEADLINE_S)
 
+    def sync_wait_s(self, tier: str, num_blocks: int, waited_s: float) -> float:
+        """How long the scheduler may wait in place for `tier`'s answer to a lookup of
+        (at most) `num_blocks`, already waited on for `waited_s`; 0: not at all.
+
+        vLLM's answer to a lookup not in yet is to ask again on a later step, which
+        costs the request a whole step (tens of ms on a busy engine) even where the
+        answer, a miss on a cold prompt most often, was a fraction of a millisecond
+        away. Waiting in place costs every running request the same wait, so it is
+        only done for a tier whose round trips are known (or, before the first one,
+        assumed) to take no longer than `sync_wait_s`, and never longer than that, nor
+        than what the lookup could save."""
+        cap = self.config.sync_wait_s
+        cost = self.tiers.get(tier)
+        rtt = None if cost is None else cost.round_trip.value
+        if cap <= 0 or (rtt is not None and rtt > cap):
+            return 0.0
+        return max(min(cap, self.wait_budget_s(tier, num_blocks) - waited_s), 0.0)
+
     def lookup_too_slow(self, tier: str, num_blocks: int) -> bool:
         """Whether `tier`'s lookups take longer than they could save: ask it in the
         background for later requests, and let this one go on without it."""
@@ -223,6 +274,9 @@ class CostModel:
                 out["cost_round_trip_seconds", name] = cost.round_trip.value
             if cost.block_seconds.value is not None:
                 out["cost_load_block_seconds", name] = cost.block_seconds.value
+        for name, share in self.lookup_hits.items():
+            if share.value is not None:
+                out["cost_lookup_hit_share", name] = share.value
         per_block = self.recompute_seconds(1)
         if per_block is not None:
             out["cost_recompute_block_seconds", "engine"] = per_block

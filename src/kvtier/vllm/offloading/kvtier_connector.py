@@ -151,6 +151,21 @@ class KvtierConnector(OffloadingConnector):
             parse_extra_config(extra_config)
         return False
 
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tells kvtier's manager the request's length before vLLM walks its keys: what
+        a Redis lookup could save (and so how long it may hold the request) is then
+        known at the first key, not after a whole pass deferred to a later step."""
+        note = getattr(self.connector_scheduler, "manager", None)
+        note = getattr(note, "note_prompt", None)
+        if note is not None:
+            note(request.request_id, request.num_tokens)
+        matched: tuple[int | None, bool] = super().get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
+        return matched
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
         # no attention metadata: vLLM runs this step only for the connector (every

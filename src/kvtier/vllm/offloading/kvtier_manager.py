@@ -206,6 +206,7 @@ class KvtierOffloadingManager(OffloadingManager):
         members = [(LOCAL, local)] if remote is None else [(LOCAL, local), (REMOTE, remote)]
         self.chain = TierChain(members, promote=False)
         self._found: OrderedDict[BlockHash, str] = OrderedDict()
+        self._prompt_tokens: dict[str, int] = {}  # by request id (see note_prompt)
         self._failed_stores: set[tuple[str, BlockHash]] = set()
         self._failed_loads: set[BlockHash] = set()
         self._to_forget: set[BlockHash] = set()
@@ -265,6 +266,8 @@ class KvtierOffloadingManager(OffloadingManager):
             pos = plan.position(block_hash)
             if self._local_hit(block_hash):
                 return self._local_answer(block_hash, req_context)
+            if plan.end is None or pos >= plan.end:
+                plan.end = self._prompt_end(key, req_context, pos)
             return self._runs.lookup(block_hash, plan, pos)
         if self._local_hit(block_hash):
             return self._local_answer(block_hash, req_context)
@@ -279,6 +282,21 @@ class KvtierOffloadingManager(OffloadingManager):
             return LookupResult.MISS
         self.tier_stats.add("hit_blocks", "redis", 1)
         return self._hit(block_hash, REMOTE)
+
+    def note_prompt(self, req_id: str, num_tokens: int) -> None:
+        """The request's length, from the connector before each of vLLM's lookups of it:
+        what a Redis lookup could save is known from its first key (see `remote_runs`)."""
+        if self._runs is not None:
+            self._prompt_tokens[req_id] = num_tokens
+
+    def _prompt_end(self, key: OffloadKey, req_context: ReqContext, pos: int) -> int | None:
+        """One past the position of the request's last whole block, from the key at
+        `pos` (whose end token vLLM records) and the request's length; None if unknown."""
+        tokens = self._prompt_tokens.get(req_context.req_id)
+        end_token = req_context.get_offload_key_position(key)
+        if tokens is None or end_token is None or self.cost is None:
+            return None
+        return pos + 1 + max(tokens - int(end_token), 0) // self.cost.tokens_per_block
 
     def _local_answer(self, block_hash: BlockHash, req_context: ReqContext) -> LookupResult:
         if self._disk_answer(block_hash, req_context):
@@ -404,6 +422,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """A request that loaded blocks and stored none uses them now (see `_RequestUse`)."""
+        self._prompt_tokens.pop(req_context.req_id, None)
         use = _use_of(req_context)
         if use.loaded:
             self._use(use.loaded)

@@ -10,6 +10,7 @@ request's context) and the background lookups' answers.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -29,7 +30,10 @@ class LookupPlan:
     answers were not in yet, lists the keys after the one asked now), the answers taken
     from the Redis tier in this pass (its hits are also kept in the manager's `_found`,
     its misses are asked again in the next pass), and where this pass stands: the first
-    block it offered from Redis, and whether it left the rest to recompute."""
+    block it offered from Redis, and whether it left the rest to recompute. `end`: one
+    past the prompt's last key (in `keys`' positions), where the connector told the
+    prompt's length (`KvtierOffloadingManager.note_prompt`): what a lookup could save is
+    then known from the first key asked, before any later key is listed."""
 
     keys: list[BlockHash] = field(default_factory=list)
     index: dict[BlockHash, int] = field(default_factory=dict)
@@ -40,6 +44,14 @@ class LookupPlan:
     last: int = -1
     passes: int = 1
     waiting_since: float | None = None
+    end: int | None = None
+    observed: bool = False  # its first Redis answer went into the tier's hit share
+
+    def blocks_left(self, pos: int) -> int:
+        """The prompt's blocks from `pos` on: from its length where known, else those
+        listed so far (a first pass lists them as it goes)."""
+        end = len(self.keys) if self.end is None else max(self.end, len(self.keys))
+        return max(end - pos, 1)
 
     def position(self, block_hash: BlockHash) -> int:
         pos = self.index.get(block_hash)
@@ -62,6 +74,12 @@ def plan_of(req_context: ReqContext) -> LookupPlan:
     return plan
 
 
+# first keys of requests that went on without their Redis answer, watched for it (the
+# hit share must see the answers of the requests that did not wait, or a share that
+# fell to 0 would never rise again)
+MAX_WATCHED = 64
+
+
 class RemoteRuns:
     """Decides a request's Redis runs. `found`: the manager's memory of where recent
     lookups found each block (a Redis answer is handed out once), which `remember`
@@ -82,6 +100,7 @@ class RemoteRuns:
         self._found = found
         self._remember_in = remember
         self.clock = clock
+        self._watched: OrderedDict[BlockHash, None] = OrderedDict()
 
     def _remember(self, block_hash: BlockHash) -> None:
         self._remember_in(block_hash, REMOTE)
@@ -103,19 +122,28 @@ class RemoteRuns:
                 return LookupResult.RETRY
             cost.decisions["redis", "load"] += bool(found)
             return self._answer(block_hash, bool(found))
-        ahead, pending = self._known_run(plan, pos)
-        self.tier_stats.pull_lookup_seconds()  # the round trips so far, for the estimate
-        # (a run declined with every answer in counts toward the tier's next probe)
-        if ahead and (cost.worth_loading("redis", ahead) or (not pending and cost.probe("redis"))):
-            plan.start = pos
-            cost.decisions["redis", "load"] += 1
-            return self._answer(block_hash, True)
+        self._collect_watched()
+        for attempt in (0, 1):
+            ahead, pending = self._known_run(plan, pos)
+            self._observe_first(plan, pos)
+            self.tier_stats.pull_lookup_seconds()  # the round trips so far, for the estimate
+            # (a run declined with every answer in counts toward the tier's next probe)
+            if ahead and (
+                cost.worth_loading("redis", ahead) or (not pending and cost.probe("redis"))
+            ):
+                plan.start = pos
+                cost.decisions["redis", "load"] += 1
+                return self._answer(block_hash, True)
+            if not (pending and attempt == 0 and self._wait_in_place(plan, pos)):
+                break
         if pending:
             now = self.clock()
             if plan.waiting_since is None:
                 plan.waiting_since = now
-            blocks = max(len(plan.keys) - pos, 1)
-            patient = plan.passes < 2 or not (
+            blocks = plan.blocks_left(pos)
+            # before the prompt's length is known, a first pass cannot tell what the
+            # lookup could save: it lists the prompt's keys and asks them all
+            patient = (plan.end is None and plan.passes < 2) or not (
                 cost.lookup_too_slow("redis", blocks)
                 or now - plan.waiting_since > cost.wait_budget_s("redis", blocks)
             )
@@ -125,10 +153,53 @@ class RemoteRuns:
             # waited as long as the lookup could save: the request goes on without it;
             # the questions stay asked, and their answers serve later requests
             ahead = blocks
+            if not plan.observed:
+                plan.observed = True
+                self._watched[plan.keys[pos]] = None
+                if len(self._watched) > MAX_WATCHED:
+                    self._watched.popitem(last=False)
         if ahead:
             cost.decisions["redis", "recompute"] += ahead
             plan.declined = True
         return self._answer(block_hash, False)
+
+    def _observe_first(self, plan: LookupPlan, pos: int) -> None:
+        """The request's first Redis answer, once it is in, into the tier's hit share."""
+        if not plan.observed:
+            found = plan.answers.get(plan.keys[pos])
+            if found is not None:
+                plan.observed = True
+                self.cost.observe_lookup("redis", bool(found))
+
+    def _collect_watched(self) -> None:
+        """The answers come in for requests that went on without them (see MAX_WATCHED)."""
+        peek = getattr(self.remote, "peek_lookup", None)
+        if peek is None or not self._watched:
+            return
+        for block_hash in list(self._watched):
+            found = peek([block_hash])
+            if found is not None:
+                del self._watched[block_hash]
+                self.cost.observe_lookup("redis", bool(found))
+
+    def _wait_in_place(self, plan: LookupPlan, pos: int) -> bool:
+        """Wait here, on the scheduler's thread, for the answer to the key at `pos` (a
+        round trip of a fast tier) rather than have vLLM ask again a step later (see
+        `CostModel.sync_wait_s`); whether it waited. Only for the first key a pass asks
+        Redis about and only where the prompt's length is known: a cold prompt's miss
+        is then final at once, and a hit defers the request as before while the keys
+        after it are listed and asked in one round trip."""
+        if plan.end is None or pos + 1 < len(plan.keys):
+            return False
+        if self._answer_of(plan, plan.keys[pos]) is not None:
+            return False
+        waited = 0.0 if plan.waiting_since is None else self.clock() - plan.waiting_since
+        timeout = self.cost.sync_wait_s("redis", plan.blocks_left(pos), waited)
+        wait = getattr(self.remote, "wait_lookups", None)
+        if timeout <= 0 or wait is None:
+            return False
+        wait(timeout)
+        return True
 
     def _known_run(self, plan: LookupPlan, pos: int) -> tuple[int, bool]:
         """How many keys from `pos` on Redis holds by the answers in, and whether the run
