@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Sequence
 
@@ -400,3 +401,56 @@ def test_the_ordered_queue_lets_a_load_that_depends_on_nothing_go_first(
         item = jobs.get()
         out.append("X" if item is _STOP else item[1].spec)
     assert " ".join(out) == taken
+
+
+@pytest.mark.parametrize(
+    ("binding", "cores"),
+    [
+        ("0-3|4-7", set(range(8))),
+        ("0,2|1,3", {0, 1, 2, 3}),
+        ("5", {5}),
+        ("auto", set()),
+        ("nobind", set()),
+        ("", set()),
+        ("0-x", set()),
+    ],
+)
+def test_the_cores_of_vllms_binding_are_read_from_its_setting(
+    binding: str, cores: set[int]
+) -> None:
+    assert device._bound_cores(binding) == cores
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs a process allowed on two cores or more",
+)
+def test_a_thread_started_on_a_bound_core_stores_on_the_other_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's CPU worker computes on cores of its own; a kvtier thread started by it
+    inherits them, and must copy elsewhere where there is anywhere else."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    allowed = sorted(os.sched_getaffinity(0))
+    compute = {allowed[0]}
+    seen: dict[str, object] = {}
+
+    def bound_worker() -> None:
+        os.sched_setaffinity(0, compute)  # as vLLM binds its worker's thread
+        seen["moved"] = device.leave_compute_cores()
+        seen["cores"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=bound_worker)
+    thread.start()
+    thread.join()
+    assert seen["moved"] is True
+    assert seen["cores"] == set(range(os.cpu_count() or 1)) & set(allowed) - compute
+
+    def unbound() -> None:  # a thread that may run anywhere stays so
+        seen["moved"] = device.leave_compute_cores()
+
+    if set(allowed) == set(range(os.cpu_count() or 1)):
+        thread = threading.Thread(target=unbound)
+        thread.start()
+        thread.join()
+        assert seen["moved"] is False

@@ -50,7 +50,7 @@ import numpy.typing as npt
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockStore
-from kvtier.transfer.device import DeviceKV, limit_torch_threads
+from kvtier.transfer.device import DeviceKV, leave_compute_cores, limit_torch_threads
 from kvtier.transfer.handlers import HostSlotHandler, StagedHandler, TransferHandler
 from kvtier.types import BlockHash
 
@@ -189,7 +189,10 @@ class TransferWorker:
         self._queues[DISCARD] = self._queues[STORE]
         self._threads = [
             threading.Thread(
-                target=self._serve, args=(q,), name=f"kvtier-transfer-{i}", daemon=True
+                target=self._serve,
+                args=(q, not ordered and q is self._queues[STORE]),
+                name=f"kvtier-transfer-{i}",
+                daemon=True,
             )
             for i, q in enumerate(served)
         ]
@@ -308,9 +311,13 @@ class TransferWorker:
 
     # worker threads
 
-    def _serve(self, jobs: _JobQueue) -> None:
+    def _serve(self, jobs: _JobQueue, stores_only: bool = False) -> None:
+        """`stores_only`: this thread serves no loads, which a request waits for, so it
+        copies on the cores vLLM keeps for the connector (`leave_compute_cores`)."""
         if self._torch_threads is not None:
             limit_torch_threads(self._torch_threads)
+        if stores_only:
+            leave_compute_cores()
         item = jobs.get()
         while item is not _STOP:
             direction, job = item
