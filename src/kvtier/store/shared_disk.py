@@ -113,6 +113,7 @@ class SharedDiskStore:
         self._prefix = f"{self.directory}{os.sep}"
         self._pages = row.num_layers
         self._codecs: dict[HeadGroup, GroupCodec] = {}
+        self._plans: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
         self._io = IOThreads(io_threads, "kvtier-shared-disk-io")
         self._writer = os.urandom(6).hex()
         self._tmp_ids = itertools.count()
@@ -179,19 +180,27 @@ class SharedDiskStore:
         of every page, as views of `parts` (no copy)."""
         views = [p if isinstance(p, memoryview) else memoryview(p) for p in parts]
         views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-        count, pages = self.group.count, self._pages
-        if count == 1:
+        if self.group.count == 1:
             return [views]
-        ends = list(itertools.accumulate(len(v) for v in views))
-        piece = self.head_bytes // pages  # one head's part of one page
-        page = piece * count
+        sizes = tuple(len(v) for v in views)
+        plan = self._plans.get(sizes)
+        if plan is None:  # one per shape of rows (a whole row, or the engine's segments)
+            plan = self._plans[sizes] = self._plan(sizes)
+        return [[views[i][start:stop] for i, start, stop in head] for head in plan]
+
+    def _plan(self, sizes: tuple[int, ...]) -> list[list[tuple[int, int, int]]]:
+        """For each head, the (part, start, stop) pieces of it in a row of parts of
+        `sizes` bytes: its part of each page, in page order."""
+        ends = list(itertools.accumulate(sizes))
+        piece = self.head_bytes // self._pages  # one head's part of one page
+        page = piece * self.group.count
         return [
             [
-                view
-                for p in range(pages)
-                for view in _slices(views, ends, p * page + j * piece, p * page + (j + 1) * piece)
+                cut
+                for p in range(self._pages)
+                for cut in _cuts(ends, p * page + j * piece, p * page + (j + 1) * piece)
             ]
-            for j in range(count)
+            for j in range(self.group.count)
         ]
 
     # --- writing -------------------------------------------------------------
@@ -282,7 +291,9 @@ class SharedDiskStore:
         def read_group(source: HeadGroup) -> bool:
             return self._read_from(block_hash, source, heads, found)
 
-        if covering(read_group, self.group, self.total, self.group.count) is not None:
+        # its own grouping's file first (the usual case: no other grouping asked), then
+        # every grouping in order (the own file again: gone, or deleted if corrupt)
+        if read_group(self.group) or covering(read_group, self.group, self.total, self.group.count):
             return
         with self._lock:
             self._dropped.append(block_hash)  # the scheduler believes it is here: tell it
@@ -402,20 +413,18 @@ def _xxh3(views: Sequence[Buffer]) -> int:
     if len(views) == 1:
         return int(xxhash.xxh3_64_intdigest(views[0]))
     state = xxhash.xxh3_64()
-    for view in views:
-        state.update(view)
+    any(map(state.update, views))  # update returns None: a C-level loop over all
     return int(state.intdigest())
 
 
-def _slices(views: list[memoryview], ends: list[int], start: int, end: int) -> list[memoryview]:
-    """Views of bytes [start, end) of the concatenation of `views` (`ends`: each view's
-    end offset in it)."""
+def _cuts(ends: list[int], start: int, end: int) -> list[tuple[int, int, int]]:
+    """The (part, start, stop) pieces of bytes [start, end) of parts ending at `ends`."""
     out = []
     i = bisect.bisect_right(ends, start)
     while start < end:
-        begin = ends[i] - len(views[i])
+        begin = ends[i - 1] if i else 0
         stop = min(end, ends[i])
-        out.append(views[i][start - begin : stop - begin])
+        out.append((i, start - begin, stop - begin))
         start = stop
         i += 1
     return out
