@@ -18,6 +18,7 @@ BENCHMARKS = (
     "bench_store",
     "bench_redis",
     "bench_disk_writes",
+    "bench_shared_disk",
     "bench_prefix_gap",
 )
 

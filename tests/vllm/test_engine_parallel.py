@@ -15,10 +15,14 @@ Each shape plays one scenario, run once per session (engine starts are the cost)
    computes two new prompts (X, Y: stored to Redis by one worker holding every KV
    head), then A's prompt comes back from Redis (written by A's two workers, a head
    each); A's disk shards stay A's (the disk tier is kept by rank).
-4. engine C, no disk, on A's Redis server: A's prompt comes back from Redis; then
-   (tensor parallel) X comes back too (written by D's one worker: each of C's workers
-   reads its head out of D's values), and after the last byte of every Redis value is
-   flipped (in Y's values, KV head 1's), Y (worker 1's head bad) is recomputed on both.
+4. engine C, on A's Redis server (and, tensor parallel, a shared disk directory,
+   `disk_shared`): A's prompt comes back from Redis; then (tensor parallel) X comes back
+   too (written by D's one worker: each of C's workers reads its head out of D's
+   values), and after the last byte of every Redis value is flipped (in Y's values, KV
+   head 1's), Y (worker 1's head bad) is recomputed on both; last, C computes a new
+   prompt Z, written to the shared directory by C's two workers, a head each.
+5. (tensor parallel) engine E, one worker, on C's shared directory alone: Z comes back
+   from it (E's worker reads both heads, one out of each of C's files).
 
 Across layouts the output is not bit-identical (a tensor-parallel engine sums its
 workers' partial results in another order): a cross-layout hit must give the writer's
@@ -64,7 +68,7 @@ from tests.vllm.test_engine_baseline import assert_same_output
 from tests.vllm.test_engine_kvtier import kvtier as transfer_config
 
 BLOCK = 32
-D_WRITES, CROSS_LAYOUT = "d_writes", "cross_layout"
+D_WRITES, C_WRITES, CROSS_LAYOUT = "d_writes", "c_writes", "cross_layout"
 PROMPT_BLOCKS = CACHEABLE_TOKENS // BLOCK  # 6
 PROMPTS_STORED = 7  # first, its variant, five fillers
 
@@ -85,6 +89,7 @@ class Scenario:
     b: JobResult
     c: JobResult
     d: JobResult | None  # an engine of another parallel layout on A's disk root and Redis
+    e: JobResult | None  # an engine of another parallel layout on C's shared disk
     transfers: tuple[dict[str, Any], ...]  # engine A's copies ($KVTIER_TRANSFER_LOG)
     d_transfers: tuple[dict[str, Any], ...] = ()  # engine D's
 
@@ -159,15 +164,25 @@ def _play(shape: Shape, model: Path, workdir: Path) -> Scenario:
             # the last byte of every value: Y's (D's one worker wrote heads 0 and 1 as one
             # value) is KV head 1's, which worker 1 of C reads (GETRANGE)
             head_1 = (("corrupt_redis", f"{server.url} *"),)
+            (z,) = random_prompts(1, PROMPT_TOKENS, shape.model.vocab, seed=2)
             rounds_c += [
                 Round((x,), name=CROSS_LAYOUT),
                 Round((y,), name="corrupted", before=head_1),
+                Round((z,), name=C_WRITES),
             ]
-        config_c = kvtier(cpu_bytes_to_use=small_cpu, redis_url=server.url)
+        shared = {"disk_path": str(workdir / "shared-disk"), "disk_bytes_to_use": 64 << 20}
+        shared |= {"disk_shared": True}
+        c_disk = shared if shape.tensor_parallel > 1 else {}
+        config_c = kvtier(cpu_bytes_to_use=small_cpu, redis_url=server.url, **c_disk)
         c = run_job(_job(shape, model, config_c, rounds=tuple(rounds_c)), workdir=workdir)
     finally:
         next(servers, None)
-    return Scenario(a, b, c, d, _rows(transfers), _rows(d_transfers))
+    e = None
+    if shape.tensor_parallel > 1:  # Z, written by C's two workers, read by one
+        config_e = kvtier(cpu_bytes_to_use=small_cpu, load_decision="always", **shared)
+        rounds_e = (Round((z,), name=CROSS_LAYOUT),)
+        e = run_job(_job(one_worker, model, config_e, rounds=rounds_e), workdir=workdir)
+    return Scenario(a, b, c, d, e, _rows(transfers), _rows(d_transfers))
 
 
 def _rows(log: Path) -> tuple[dict[str, Any], ...]:
@@ -294,6 +309,21 @@ def test_a_corrupt_head_on_one_worker_is_recomputed_on_all_from_redis(
     assert "vLLM recomputes them" in tp_scenario.c.log
     assert tp_scenario.d is not None
     assert logprob_gap(corrupted, tp_scenario.d.round(D_WRITES)[1]) < 1e-3
+
+
+def test_a_one_worker_engine_reads_the_two_worker_blocks_from_a_shared_disk(
+    tp_scenario: Scenario, engine_runs: EngineRuns
+) -> None:
+    assert tp_scenario.e is not None
+    files = list((engine_runs.root / "kvtier-tensor-parallel" / "shared-disk").glob("*/*.kv"))
+    heads = {f.name.split(".")[1] for f in files}
+    assert {"h0-1", "h1-2"} <= heads  # C's two workers, a head each (E then writes h0-2)
+    z_cold = only(tp_scenario.c, C_WRITES)
+    assert z_cold.num_cached_tokens == 0
+    cross = only(tp_scenario.e, CROSS_LAYOUT)
+    assert cross.num_cached_tokens == CACHEABLE_TOKENS  # all from C's files: E has no Redis
+    gap = logprob_gap(cross, z_cold)
+    assert gap <= layouts_agreement(tp_scenario), gap
 
 
 def test_sliding_window_groups_store_and_load_only_the_window(hybrid_scenario: Scenario) -> None:

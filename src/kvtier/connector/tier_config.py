@@ -63,6 +63,9 @@ class TierConfig:
     disk_writes: DiskWrites = "write_through"
     disk_fsync: bool = True
     disk_io_threads: int = 2
+    # the disk directory is shared by several engines (NFS, a cluster file system): blocks
+    # kept by KV head under names every parallel layout reads (kvtier.store.shared_disk)
+    disk_shared: bool = False
     redis_url: str | None = None
     redis_socket_timeout_s: float = 0.25
     redis_connect_timeout_s: float = 0.25
@@ -152,7 +155,7 @@ def _check(where: str, key: str, value: Any) -> Any:
         return check_store_threshold(where, value)
     if key in ("disk_io_threads", "redis_ttl_s", "cpu_copy_threads"):
         return whole_number(where, value, minimum=1)
-    if key in ("cpu_checksums", "disk_fsync"):
+    if key in ("cpu_checksums", "disk_fsync", "disk_shared"):
         if not isinstance(value, bool):
             raise ValueError(f"{where} must be true or false, got {value!r}")
         return value
@@ -184,6 +187,11 @@ def _check_combination(config: TierConfig, where: str) -> None:
         raise ValueError(
             f"{where} has {given!r} but not {missing!r}: the disk tier needs both a "
             "directory and a byte budget"
+        )
+    if config.disk_shared and not config.has_disk:
+        raise ValueError(
+            f"{where} has 'disk_shared' but no 'disk_path': a shared disk tier needs the "
+            "shared directory (and 'disk_bytes_to_use')"
         )
     if config.redis_url is not None and not config.redis_url.startswith(("redis://", "rediss://")):
         raise ValueError(

@@ -108,6 +108,8 @@ class DiskBacking:
 
     recovered: Sequence[BlockHash] = ()
     on_free: Callable[[Sequence[BlockHash]], None] | None = None
+    # a directory other engines write too: whether a block it does not know is there
+    probe: Callable[[BlockHash], bool] | None = None
 
 
 @dataclass
@@ -164,6 +166,7 @@ def build_tiers(
             backing.on_free or _ignore,
             policy,
             events,
+            backing.probe,
         )
         lower: OffloadingManager = tiers.disk
         if config.filtered:

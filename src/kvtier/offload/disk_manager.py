@@ -9,7 +9,9 @@ nothing from it, so this module stays bookkeeping only (no torch, no I/O of its 
 
 `DiskOffloadingManager` adds the two things a persistent tier needs beyond the
 generic manager: `adopt` (register blocks recovered from the directory at start)
-and `discard` (forget ready blocks the data plane found corrupt).
+and `discard` (forget ready blocks the data plane found corrupt). Over a directory
+other engines write too (`kvtier.store.shared_disk`), a `probe` says whether a block
+it does not know is there: a lookup that stops at such a block adopts it and goes on.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvtier.offload.policy_manager import PolicyOffloadingManager
 from kvtier.types import BlockHash
 
 OnFree = Callable[[Sequence[BlockHash]], None]
+Probe = Callable[[BlockHash], bool]
 
 
 class DiskLoadStoreSpec(LoadStoreSpec):
@@ -105,10 +108,32 @@ class DiskOffloadingManager(PolicyOffloadingManager):
         cache_policy: str = "lru",
         enable_events: bool = False,
         on_free: OnFree | None = None,
+        probe: Probe | None = None,
     ) -> None:
         super().__init__(DiskBackend(block_size, num_blocks, on_free), cache_policy, enable_events)
         self.block_size = block_size
         self.medium = self.backend.medium
+        self._probe = probe
+
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
+        """The generic lookup; with a `probe`, blocks other engines wrote are adopted
+        where it stops (a probe a block, one more for the first one absent), as long as
+        they fit (adopting may evict this tier's least valued blocks, as a store would)."""
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        hits = super().lookup(hashes)
+        if self._probe is None or hits is None:
+            return hits
+        while hits < len(hashes) and hashes[hits] not in self and self._probe(hashes[hits]):
+            if self.adopt([hashes[hits]]):
+                break  # no room (every block pinned)
+            hits += 1
+        return hits
+
+    def reset_cache(self) -> list[BlockHash]:
+        """The generic reset; blocks other engines wrote are not adopted after it: they
+        may be of the weights the reset left (see the README's shared disk tier)."""
+        self._probe = None
+        return super().reset_cache()
 
     @classmethod
     def reopened(
@@ -119,11 +144,12 @@ class DiskOffloadingManager(PolicyOffloadingManager):
         on_free: OnFree,
         cache_policy: str = "lru",
         enable_events: bool = False,
+        probe: Probe | None = None,
     ) -> DiskOffloadingManager:
         """The manager of a directory that already holds `recovered` (oldest first):
         they are adopted, and those that do not fit are handed to `on_free` to delete,
         so the directory never holds more than the budget."""
-        manager = cls(block_size, num_blocks, cache_policy, enable_events, on_free)
+        manager = cls(block_size, num_blocks, cache_policy, enable_events, on_free, probe)
         left_over = manager.adopt(recovered) if recovered else []
         if left_over:
             on_free(left_over)

@@ -17,6 +17,7 @@ the block-hash digest) are what a lookup compares, as for `codec`'s values.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -55,6 +56,18 @@ def header_size(heads: int) -> int:
     return _FIXED.size + 8 * heads
 
 
+def grouping(total: int, size: int) -> list[HeadGroup]:
+    """The groups of `size` heads an engine whose workers hold `size` heads each writes."""
+    return [HeadGroup(first, size) for first in range(0, total, size)]
+
+
+def group_sizes(total: int, own: int) -> list[int]:
+    """Every grouping of `total` heads, by heads a group: `own` (this engine's) first,
+    then the others, fewest groups first (the order readers try them in)."""
+    others = [s for s in range(total, 0, -1) if total % s == 0 and s != own]
+    return [own, *others]
+
+
 @dataclass(frozen=True)
 class GroupCodec(BlockCodec):
     """Encodes and verifies the values of one head group under one layout fingerprint."""
@@ -78,8 +91,15 @@ class GroupCodec(BlockCodec):
             raise ValueError(f"a value of {len(view)} bytes does not cut into {count} heads")
         size = len(view) // count
         sums = [xxhash.xxh3_64_intdigest(view[i * size : (i + 1) * size]) for i in range(count)]
+        return self.header_for(block_hash, size, sums)
+
+    def header_for(self, block_hash: bytes, head_bytes: int, sums: Sequence[int]) -> bytes:
+        """The header of a value whose heads (`head_bytes` each) have checksums `sums`."""
+        count = self.group.count
+        if len(sums) != count:
+            raise ValueError(f"{len(sums)} checksums for a group of {count} heads")
         fixed = _FIXED.pack(
-            MAGIC, GROUP_FORMAT, count, self.fp_digest, block_digest(block_hash), size
+            MAGIC, GROUP_FORMAT, count, self.fp_digest, block_digest(block_hash), head_bytes
         )
         return fixed + struct.pack(f"<{count}Q", *sums)
 
@@ -99,20 +119,29 @@ class GroupCodec(BlockCodec):
     ) -> tuple[DecodeStatus, memoryview | None]:
         """`part` (the bytes of `heads`, a run of this group's heads, read on their own)
         if the header is this group's and each head's checksum matches, else why not."""
-        status = self.check_prefix(block_hash, header)
+        status, size, sums = self.head_sums(block_hash, header)
         if status is not DecodeStatus.OK:
             return status, None
         group = self.group
-        if len(header) != self.header_size or not group.first <= heads.first < heads.end <= (
-            group.end
-        ):
+        if not group.first <= heads.first < heads.end <= group.end:
             return DecodeStatus.CORRUPT, None
-        size = _FIXED.unpack_from(header)[-1]
         if len(part) != heads.count * size:
             return DecodeStatus.CORRUPT, None
-        sums = struct.unpack_from(f"<{group.count}Q", header, _FIXED.size)
         for i, head in enumerate(heads.heads):
             checksum = xxhash.xxh3_64_intdigest(part[i * size : (i + 1) * size])
             if checksum != sums[head - group.first]:
                 return DecodeStatus.CORRUPT, None
         return DecodeStatus.OK, part
+
+    def head_sums(
+        self, block_hash: bytes, header: bytes
+    ) -> tuple[DecodeStatus, int, tuple[int, ...]]:
+        """A header's bytes per head and each head's checksum (indexed from the group's
+        first head), if it is this group's header for `block_hash`, else why not."""
+        status = self.check_prefix(block_hash, header)
+        if status is DecodeStatus.OK and len(header) != self.header_size:
+            status = DecodeStatus.CORRUPT
+        if status is not DecodeStatus.OK:
+            return status, 0, ()
+        size = _FIXED.unpack_from(header)[-1]
+        return status, size, struct.unpack_from(f"<{self.group.count}Q", header, _FIXED.size)

@@ -38,18 +38,13 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from kvtier.remote.head_codec import GroupCodec, HeadGroup, header_size
+from kvtier.remote.head_codec import GroupCodec, HeadGroup, group_sizes, grouping, header_size
 from kvtier.remote.redis_store import _REFUSED, Payload, RedisBlockStore
 from kvtier.remote.remote_config import RemoteConfig
 from kvtier.validate import positive_int
 
 MAX_HEADS = 1 << 16  # a value's head count is two bytes of its header
 _PREFIX_BYTES = 32  # what a lookup compares (`head_codec`)
-
-
-def grouping(total: int, size: int) -> list[HeadGroup]:
-    """The groups of `size` heads an engine whose workers hold `size` heads each writes."""
-    return [HeadGroup(first, size) for first in range(0, total, size)]
 
 
 class HeadKeyedStore(RedisBlockStore):
@@ -90,9 +85,7 @@ class HeadKeyedStore(RedisBlockStore):
         store.heads, store.group_heads = heads, group_heads
         store._fingerprint = fingerprint
         store._groups = {}
-        # this engine's grouping first, then the others, fewest values first
-        others = [s for s in range(heads, 0, -1) if heads % s == 0 and s != group_heads]
-        store.sizes = [group_heads, *others]
+        store.sizes = group_sizes(heads, group_heads)
         return store
 
     def group_store(self, group: HeadGroup) -> RedisBlockStore:

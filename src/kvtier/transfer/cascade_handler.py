@@ -31,6 +31,7 @@ from kvtier.offload.mediums import CPULoadStoreSpec
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockLoadError, Guard, holding
+from kvtier.store.shared_disk import SharedDiskStore
 from kvtier.transfer.device import DeviceKV
 from kvtier.transfer.handlers import HostSlotHandler, StagedHandler
 from kvtier.transfer.transfer_worker import TransferWorker
@@ -43,7 +44,12 @@ class CascadeHandler:
     """Moves the bytes of `CascadeStoreSpec` / `CascadeLoadSpec` jobs."""
 
     def __init__(
-        self, kv: DeviceKV, memory: MemoryStore, disk: DiskStore, *, copy_threads: int = 1
+        self,
+        kv: DeviceKV,
+        memory: MemoryStore,
+        disk: DiskStore | SharedDiskStore,
+        *,
+        copy_threads: int = 1,
     ) -> None:
         self.kv = kv
         self.memory = memory

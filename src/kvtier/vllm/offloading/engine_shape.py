@@ -151,6 +151,24 @@ def head_sharing(
     return HeadSharing(shared, shard, row)
 
 
+def check_disk_sharing(
+    config: OffloadingConfig, sharing: HeadSharing | None, total_kv_heads: int | None
+) -> None:
+    """Refuse `disk_shared` for an engine whose blocks cannot be kept by KV head (a
+    shared directory would otherwise mix layouts), naming why."""
+    if sharing is not None:
+        return
+    parallel = config.parallel
+    raise ValueError(
+        f"kv_connector_extra_config['disk_shared'] is true, but this engine's blocks "
+        f"cannot be kept by KV head: that needs vLLM's {HEAD_MAJOR_LAYOUT} KV cache layout "
+        f"(this engine's: {config.kv_cache_layout!r}), the model's KV heads (known under "
+        f"KvtierConnector: {total_kv_heads}) dividing among the {parallel.tp_size} "
+        f"tensor-parallel workers (or the workers among them), and whole heads per worker; "
+        f"set disk_shared to false (a directory per rank, shared by nothing)"
+    )
+
+
 def check_head_major(kv_caches: CanonicalKVCaches, sharing: HeadSharing, workers: int) -> None:
     """Refuse, at start, caches whose pages are not what `head_sharing` cuts: vLLM's own
     map of each page into the parallelism-free page (all heads) must put the page whole

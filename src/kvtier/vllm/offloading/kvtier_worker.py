@@ -46,11 +46,13 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.connector.tier_config import TierConfig
 from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeStoreSpec
+from kvtier.remote.head_codec import header_size
 from kvtier.remote.kv_store import LoadGuard
 from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
+from kvtier.store.shared_disk import SharedDiskStore
 from kvtier.transfer.cascade_handler import CascadeHandler
 from kvtier.transfer.handlers import StagedHandler
 from kvtier.transfer.pages import PagedDeviceKV
@@ -145,6 +147,33 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def open_disk(
+    config: TierConfig,
+    root: str | Path,
+    layout: KVLayout,
+    num_blocks: int,
+    sharing: HeadSharing | None,
+) -> DiskStore | SharedDiskStore:
+    """This worker's disk tier: a directory of its own, or its heads in a shared one."""
+    if sharing is None:
+        capacity = DiskStore.capacity_for(layout, num_blocks)
+        return DiskStore(
+            root, layout, capacity, fsync=config.disk_fsync, io_threads=config.disk_io_threads
+        )
+    shard = sharing.shard
+    return SharedDiskStore(
+        root,
+        sharing.shared,
+        layout,
+        shard.total,
+        shard.group,
+        num_blocks * (header_size(shard.count) + layout.bytes_per_block),
+        writes=shard.writes,
+        fsync=config.disk_fsync,
+        io_threads=config.disk_io_threads,
+    )
+
+
 class KvtierOffloadingWorker(OffloadingWorker):
     def __init__(
         self,
@@ -157,12 +186,15 @@ class KvtierOffloadingWorker(OffloadingWorker):
         disk_root: str | Path | None = None,
         remote: Any = None,
         remote_sharing: HeadSharing | None = None,
+        disk_sharing: HeadSharing | None = None,
         report_failures: bool = True,
     ) -> None:
         """`disk_root`: this worker's disk root (default `config.disk_path`; one per rank
         under tensor parallelism, see `engine_shape.shard_root`);
         `remote`: a `RemoteTier` opened for `layout` (closed by `shutdown`), or, with
         `remote_sharing`, for the blocks kept by KV head (this worker moves its heads);
+        `disk_sharing`: the disk directory is shared by several engines, and this worker
+        keeps its heads of each block there (`kvtier.store.shared_disk`);
         `report_failures`: failures go to the report (KvtierConnector) rather than into
         the results, which vLLM's own connector asserts are all successful."""
         self.kv = PagedDeviceKV(layout, [t.tensor for t in kv_caches.tensors])
@@ -170,7 +202,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._block_bytes = layout.bytes_per_block
         self.memory = MemoryStore(layout, num_cpu_slots, checksums=config.cpu_checksums)
         self.report_failures = report_failures
-        self.disk: DiskStore | None = None
+        self.disk: DiskStore | SharedDiskStore | None = None
         self._handler: CascadeHandler | None = None
         self.remote_tier = remote
         self._remote_writes = True  # False: another worker writes the same heads to Redis
@@ -180,12 +212,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         copiers = 1 if self.kv.is_cuda else config.cpu_copy_threads
         try:
             if config.disk_path is not None:
-                self.disk = DiskStore(
-                    disk_root if disk_root is not None else config.disk_path,
-                    layout,
-                    DiskStore.capacity_for(layout, num_disk_blocks),
-                    fsync=config.disk_fsync,
-                    io_threads=config.disk_io_threads,
+                self.disk = open_disk(
+                    config, disk_root or config.disk_path, layout, num_disk_blocks, disk_sharing
                 )
                 self._handler = CascadeHandler(
                     self.kv, self.memory, self.disk, copy_threads=copiers

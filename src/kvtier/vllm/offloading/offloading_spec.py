@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,10 @@ from kvtier.store.diskformat import (
     delete_block_files_except,
     directory_name,
 )
+from kvtier.store.shared_dir import list_whole, probe, shared_directory
 from kvtier.types import BlockHash
 from kvtier.vllm.offloading.engine_shape import (
+    check_disk_sharing,
     check_engine,
     check_head_major,
     head_sharing,
@@ -79,7 +82,10 @@ class KvtierOffloadingSpec(OffloadingSpec):
         check_engine(config, self.kvtier, self.report_failures)
         self.layout = layout_for(config)
         # None: Redis keeps this engine's blocks by rank, apart from other layouts
-        self.sharing = head_sharing(config, TOTAL_KV_HEADS.get()) if self.kvtier.has_redis else None
+        by_head = self.kvtier.has_redis or self.kvtier.disk_shared
+        self.sharing = head_sharing(config, TOTAL_KV_HEADS.get()) if by_head else None
+        if self.kvtier.disk_shared:
+            check_disk_sharing(config, self.sharing, TOTAL_KV_HEADS.get())
         self.block_size = config.groups[0].tokens_per_block
         self.stack_config = StackConfig.from_tier_config(
             self.kvtier,
@@ -106,12 +112,21 @@ class KvtierOffloadingSpec(OffloadingSpec):
         cfg, stack = self.kvtier, self.stack_config
         discards: list[BlockHash] = []
         backing = None
-        if cfg.disk_path is not None:
-            # the workers opened (and recovered) their directories before the scheduler
-            whole, partial = recovered_on_every_rank(cfg.disk_path, self.config)
-            discards.extend(partial)  # a shard some rank lacks is never loaded: deleted
-            backing = DiskBacking(whole, discards.extend)
         sharing = self.sharing
+        shared_disk = cfg.disk_shared and sharing is not None
+        if cfg.disk_path is not None and shared_disk:
+            assert sharing is not None  # (checked at start)
+            directory = shared_directory(cfg.disk_path, sharing.shared)
+            total, own = sharing.shard.total, sharing.shard.count
+            found = partial(probe, directory, total=total, own=own)
+            backing = DiskBacking(list_whole(directory, total), discards.extend, found)
+        elif cfg.disk_path is not None:
+            # the workers opened (and recovered) their directories before the scheduler
+            whole, partial_shards = recovered_on_every_rank(cfg.disk_path, self.config)
+            discards.extend(partial_shards)  # a shard some rank lacks is never loaded: deleted
+            backing = DiskBacking(whole, discards.extend)
+        # a shared directory's files are deleted by the workers that wrote them, only
+        files_here = cfg.disk_path is not None and not shared_disk
         sharded = (
             stack.redis_url is not None and sharing is None and self.config.parallel.world_size > 1
         )
@@ -149,8 +164,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
             enable_events=stack.enable_events,
             on_close=close,
             take_discards=take_discards,
-            delete_files=self._delete_files if cfg.disk_path is not None else None,
-            keep_files=self._keep_files if cfg.disk_path is not None else None,
+            delete_files=self._delete_files if files_here else None,
+            keep_files=self._keep_files if files_here else None,
             block_bytes=self.layout.bytes_per_block,
             file_bytes=block_file_bytes(self.layout.bytes_per_block),
             cost=CostModel(CostConfig(mode=cfg.load_decision), self.block_size),
@@ -223,13 +238,15 @@ class KvtierOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             if self.sharing is not None:
                 check_head_major(kv_caches, self.sharing, self.config.parallel.world_size)
+            disk_path = self.kvtier.disk_path
             self._worker = KvtierOffloadingWorker(
                 self.kvtier,
                 self.layout,
                 kv_caches,
-                disk_root=shard_root(self.kvtier.disk_path, self.config)
-                if self.kvtier.disk_path is not None
-                else None,
+                disk_root=None
+                if disk_path is None or self.kvtier.disk_shared
+                else shard_root(disk_path, self.config),
+                disk_sharing=self.sharing if self.kvtier.disk_shared else None,
                 num_cpu_slots=self.num_cpu_slots,
                 num_disk_blocks=self.num_disk_blocks,
                 remote=self._open_remote(),
