@@ -172,9 +172,11 @@ def bench(
     with ExitStack() as stack:
         proxy = None
         configs = {"vllm": alone}
-        if any(not p.redis for p in profiles):
+        if any(not p.redis and not p.control for p in profiles):
             kvtier = transfer_config(cpu_bytes_to_use=32 * setup.pool_blocks * block_bytes)
             configs["kvtier"] = replace(alone, kv_transfer_config=kvtier)
+        if any(p.control for p in profiles):
+            configs["vllm_control"] = alone
         if any(p.redis for p in profiles):
             port = stack.enter_context(redis_server())
             proxy = stack.enter_context(ShapingProxy(("127.0.0.1", port)))
@@ -204,7 +206,7 @@ def bench(
                 )
                 by_profile[profile.name] = {**result, "profile": asdict(profile)}
                 print(f"{name} [{profile.name}]: {verdict_line(result)}", flush=True)
-            default = len(profiles) == 1 and not profiles[0].redis
+            default = len(profiles) == 1 and profiles[0].name == "cpu"
             out["workloads"][name] = by_profile[profiles[0].name] if default else by_profile
     return out
 

@@ -4,6 +4,9 @@ A profile names one kvtier server and, for a Redis tier, how the link to it is s
 (`kvtier.remote.shaping_proxy` in front of a real redis-server):
 
     cpu                               kvtier's CPU tier alone (the healthy default)
+    alone                             the control: a second vLLM alone in kvtier's place
+                                      (same config, started with the others), so the
+                                      run's own noise floor between two equal servers
     redis                             a CPU tier over a Redis tier on a healthy link
     redis:delay_ms=50                 every Redis round trip 50 ms longer
     redis:rate_mb_s=20                the link capped at 20 MB/s each way
@@ -42,13 +45,16 @@ class TierProfile:
 
     name: str
     redis: bool = False
+    control: bool = False
     delay_s: float = 0.0
     rate_bytes_per_s: float | None = None
     stall_after: int | None = None
 
     @property
     def server(self) -> str:
-        """The kvtier server that runs it (one per kind, shared by profiles)."""
+        """The server in kvtier's place (one per kind, shared by profiles)."""
+        if self.control:
+            return "vllm_control"
         return "kvtier_redis" if self.redis else "kvtier"
 
     @property
@@ -73,9 +79,11 @@ def parse_profile(text: str) -> TierProfile:
     kind, *fields = text.strip().split(":")
     if kind == "cpu" and not fields:
         return TierProfile(text)
+    if kind == "alone" and not fields:
+        return TierProfile(text, control=True)
     if kind != "redis":
         raise ValueError(
-            f"tier profile {text!r}: unknown kind {kind!r}; allowed: cpu, "
+            f"tier profile {text!r}: unknown kind {kind!r}; allowed: cpu, alone, "
             f"redis[:FIELD=VALUE...] with FIELD one of {', '.join(FIELDS)}"
         )
     values: dict[str, float] = {}

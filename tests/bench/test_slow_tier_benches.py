@@ -21,13 +21,15 @@ def test_profiles_are_read_field_by_field() -> None:
     assert slow.link.up_delay_s == slow.link.down_delay_s == 0.025
     assert parse_profile("redis:stall_after=8").stall_after == 8
     assert parse_profile("redis").server == "kvtier_redis"
+    assert parse_profile("alone") == TierProfile("alone", control=True)
+    assert parse_profile("alone").server == "vllm_control"
     assert [p.name for p in parse_profiles("cpu,redis:delay_ms=5")] == ["cpu", "redis:delay_ms=5"]
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("disk", "unknown kind 'disk'; allowed: cpu, redis"),
+        ("disk", "unknown kind 'disk'; allowed: cpu, alone, redis"),
         ("cpu:delay_ms=5", "unknown kind 'cpu'"),
         ("redis:delay=5", "'delay=5' is not FIELD=VALUE with FIELD one of delay_ms"),
         ("redis:delay_ms", "'delay_ms' is not FIELD=VALUE"),

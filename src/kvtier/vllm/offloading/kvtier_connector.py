@@ -25,6 +25,10 @@ and one thing more (the last point):
   through empty steps on the cores the copies and the lookups (and the Redis server, on
   a small machine) run on.
 
+- before vLLM walks a request's keys, kvtier's manager is told the request's length:
+  what a Redis lookup could save, and so how long the request may wait for it, is
+  known at the first key (`remote_runs`), not after a pass deferred to a later step.
+
 - each step's metadata carries the tokens it computes, and the workers time the step
   (from its metadata, bound before the forward, to its results): the engine's own
   recompute cost, which the
