@@ -101,6 +101,8 @@ def test_a_stale_hint_falls_back_to_every_grouping(redis_server: RedisServer) ->
         load(two, spec, 0)
     wrong = RemoteLoadStoreSpec(hashes[1:], holders=[1, 1])  # no values of one head there
     assert load(two, wrong, 0) == heads_of(data[1:], two[0][1].group)
+    with pytest.raises(ValueError, match="1 holders for 2 blocks"):
+        load(two, RemoteLoadStoreSpec(hashes[1:], holders=[1]), 0)
 
 
 def test_a_corrupt_head_where_the_hint_points_is_a_miss(redis_server: RedisServer) -> None:
