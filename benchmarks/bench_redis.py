@@ -13,10 +13,12 @@ and 2 MiB blocks, each round writes then reads the same blocks in jobs of
   as engines of any tensor-parallel size share them), moved by one worker holding every
   head (`HeadShardKVStore`: one value a block, each head with its own checksum): what
   sharing across layouts costs an engine that reads its own layout's blocks;
-- `cross`: a worker of a two-worker engine loading its half of the heads from those
-  values (no value of its own grouping: a GET that misses, then a header and a byte
-  range a block, GETRANGE): what reading another layout's blocks costs (load only).
-One round trip per job on every side (two for `cross`).
+- `cross`, `cross_last`: a worker of a two-worker engine loading its half of the heads
+  (the first half, the last) from those values, told where they are as the scheduler's
+  lookup tells an engine's workers (`HeadKeyedStore.holders_of`): one GETRANGE a block
+  for the first half (its range follows the header), a header and a range for the last:
+  what reading another layout's blocks costs (load only).
+One round trip per job on every side.
 Sides alternate job by job (so all see the same background noise); the best
 repetition of each counts (the machine is shared and noisy).
 Target: tier >= 70% of plain in both directions. The lookups compare a prefix walk of
@@ -135,7 +137,13 @@ def bench_size(
         url, layout, block_size=16, socket_timeout_s=30.0, heads=heads, group_heads=max(half, 1)
     )
     half_store = by_half.head_store(layout_for(block_bytes // 2), HeadShard(heads, 0, half or 1))
+    last_store = by_half.head_store(layout_for(block_bytes // 2), HeadShard(heads, half, half or 1))
+    last_halves = np.zeros_like(halves)
+    last_dests = [memoryview(last_halves[i]) for i in range(num_blocks)]
     specs = [RemoteLoadStoreSpec([hashes[i] for i in b]) for b in batches]
+    told = [RemoteLoadStoreSpec([hashes[i] for i in b]) for b in batches]
+    for spec in told:  # where the lookup found them: one value of every head
+        spec.holders = [heads] * len(spec.block_hashes)
     plain = redis.Redis(host="127.0.0.1", port=port)
     plain_keys = [b"plain:" + h.hex().encode() for h in hashes]
 
@@ -152,7 +160,10 @@ def bench_size(
         head_store.read_blocks(specs[n], [dests[i] for i in batches[n]])
 
     def cross_load(n: int) -> None:
-        half_store.read_blocks(specs[n], [half_dests[i] for i in batches[n]])
+        half_store.read_blocks(told[n], [half_dests[i] for i in batches[n]])
+
+    def cross_last_load(n: int) -> None:
+        last_store.read_blocks(told[n], [last_dests[i] for i in batches[n]])
 
     def plain_store(n: int) -> None:
         pipe = plain.pipeline(transaction=False)
@@ -173,6 +184,7 @@ def bench_size(
     }
     if half:
         sides["cross"] = (lambda n: None, cross_load)  # reads what `heads` wrote
+        sides["cross_last"] = (lambda n: None, cross_last_load)
     times: dict[str, list[float]] = {f"{s}_{d}": [] for s in sides for d in ("store", "load")}
     for _ in range(repeats):
         plain.flushall()
@@ -188,6 +200,7 @@ def bench_size(
     assert np.array_equal(dest, rows), "tier load returned different bytes"
     if half:
         assert np.array_equal(halves, rows[:, : block_bytes // 2]), "cross load: other bytes"
+        assert np.array_equal(last_halves, rows[:, block_bytes // 2 :]), "cross_last: other bytes"
     for stats in (tier.stats, by_head.stats, by_half.stats):
         assert stats.corrupt_blocks == stats.errors == 0
     key_bytes = len(tier.store.key(hashes[0]))
@@ -197,9 +210,11 @@ def bench_size(
         t.close()
     plain.close()
     total = block_bytes * num_blocks
-    gbps = {k: total / min(v) / 1e9 for k, v in times.items() if k != "cross_store"}
+    loads_only = ("cross_store", "cross_last_store")
+    gbps = {k: total / min(v) / 1e9 for k, v in times.items() if k not in loads_only}
     if half:
         gbps["cross_load"] /= 2  # half of each block's bytes
+        gbps["cross_last_load"] /= 2
     return {
         # what one block costs on the wire and in Redis besides its bytes: key and header
         # (one engine's values; a two-worker engine writes two, of half the heads each)
@@ -211,15 +226,16 @@ def bench_size(
         "heads_store_ratio": gbps["heads_store"] / gbps["tier_store"],
         "heads_load_ratio": gbps["heads_load"] / gbps["tier_load"],
         "cross_load_ratio": gbps["cross_load"] / gbps["tier_load"] if half else None,
+        "cross_last_load_ratio": gbps["cross_last_load"] / gbps["tier_load"] if half else None,
         "block_bytes": block_bytes,
         "num_blocks": num_blocks,
         "batch_blocks": batch,
         "repeats": repeats,
         "gb_per_s": gbps,
         "median_gb_per_s": {
-            k: total / float(np.median(v)) / 1e9 / (2 if k == "cross_load" else 1)
+            k: total / float(np.median(v)) / 1e9 / (2 if k.startswith("cross") else 1)
             for k, v in times.items()
-            if k != "cross_store"
+            if k not in loads_only
         },
         "store_ratio": gbps["tier_store"] / gbps["plain_store"],
         "load_ratio": gbps["tier_load"] / gbps["plain_load"],
@@ -313,7 +329,8 @@ def main() -> None:
                 ""
                 if r["cross_load_ratio"] is None
                 else f"; half the heads from another layout's values: load "
-                f"{g['cross_load']:.2f} GB/s ({r['cross_load_ratio']:.0%})"
+                f"{g['cross_load']:.2f} GB/s ({r['cross_load_ratio']:.0%}), the last half "
+                f"{g['cross_last_load']:.2f} GB/s ({r['cross_last_load_ratio']:.0%})"
             )
         )
     for lk in lookups:

@@ -322,17 +322,22 @@ class HeadGroupsMachine(RuleBasedStateMachine):
         self.client.setrange(key, len(value) - 1, bytes([value[-1] ^ 0xFF]))
         bad.symmetric_difference_update({group.end - 1})
 
-    @rule(workers=st.sampled_from(LAYOUTS), rank=st.integers(0, 3))
-    def load(self, workers: int, rank: int) -> None:
-        """A worker loads what a lookup offers: served exactly where the model says."""
+    @rule(
+        workers=st.sampled_from(LAYOUTS),
+        rank=st.integers(0, 3),
+        hint=st.sampled_from((0, 1, 2, 4)),
+    )
+    def load(self, workers: int, rank: int, hint: int) -> None:
+        """A worker loads what a lookup offers, told (`hint`, heads a value; 0: not told)
+        where to read first, rightly or not: served exactly where the model says."""
         tier, shard = self.engines[workers][rank % workers]
         hit = next((b for b in range(self.NUM_BLOCKS) if not self.whole(b)), self.NUM_BLOCKS)
         if not hit:
             return
-        expected = [self.expect(b, shard.group) for b in range(hit)]
+        expected = [self.expect(b, shard.group, hint) for b in range(hit)]
         store = tier.head_store(row_layout(shard.count), shard)
         rows = [bytearray(shard.count * HEAD_BYTES) for _ in range(hit)]
-        spec = RemoteLoadStoreSpec(self.hashes[:hit])
+        spec = RemoteLoadStoreSpec(self.hashes[:hit], holders=[hint] * hit if hint else None)
         if all(expected):
             store.read_blocks(spec, [memoryview(r) for r in rows])
             span = slice(shard.first * HEAD_BYTES, shard.group.end * HEAD_BYTES)
@@ -341,17 +346,18 @@ class HeadGroupsMachine(RuleBasedStateMachine):
             with pytest.raises(BlockLoadError, match="not servable"):
                 store.read_blocks(spec, [memoryview(r) for r in rows])
 
-    def expect(self, block: int, group: HeadGroup) -> bool:
-        """Whether a worker holding `group` gets `block`, as `load_group` reads: its own
-        value (dropped if bad), then each other grouping's values that hold its heads
-        (those whose read heads are bad are dropped), fewest values first."""
-        own = self.values.get((block, group))
-        if own is not None:
-            if not own:
-                return True
-            del self.values[(block, group)]
-        for size in (4, 2, 1):
+    def expect(self, block: int, group: HeadGroup, hint: int = 0) -> bool:
+        """Whether a worker holding `group` gets `block`, as `load_group` reads: the
+        grouping it was told of, its own value (dropped if bad), then each other
+        grouping's values that hold its heads (those whose read heads are bad are
+        dropped), fewest values first."""
+        order = dict.fromkeys(s for s in (hint, group.count, 4, 2, 1) if s)
+        for size in order:
             if size == group.count:
+                own = self.values.get((block, group))
+                if own is not None and not own:
+                    return True
+                self.values.pop((block, group), None)
                 continue
             first = group.first // size * size
             sources = [HeadGroup(f, size) for f in range(first, group.end, size)]
@@ -366,6 +372,18 @@ class HeadGroupsMachine(RuleBasedStateMachine):
             if served:
                 return True
         return False
+
+    @invariant()
+    def redis_holds_the_values_the_model_does(self) -> None:
+        """(A load drops exactly the bad values it read, in the order it reads them.)"""
+        held = {
+            (block, group)
+            for block in range(self.NUM_BLOCKS)
+            for size in (1, 2, 4)
+            for group in grouping(HEADS, size)
+            if self.client.exists(self.key(block, group))
+        }
+        assert held == set(self.values)
 
     @invariant()
     def every_layout_finds_what_the_model_holds(self) -> None:

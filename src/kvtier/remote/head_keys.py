@@ -11,12 +11,18 @@ per block did, with keys and headers of the same size (48 bytes of header for a 
 of one head, 8 more for each further head).
 
 An engine of another layout reads the heads it needs from the groups that hold them:
-for the blocks its own grouping misses, one pipelined round trip per other grouping
-reads each group's header and its heads' byte range (GETRANGE), verified head by head.
+one pipelined round trip per grouping reads each group's header and its heads' byte
+range (GETRANGE; one GETRANGE where the range follows the header), verified head by head.
 A lookup walks the engine's own grouping first (one round trip, as before: the prefix
 script over the same number of keys); where it stops, one round trip asks which
-grouping holds that block whole, and the walk goes on in that grouping. So a cold
-prompt costs a second (short) round trip, and a block of another layout a few more.
+grouping holds that block whole (for a question of one block, as vLLM asks, that is its
+answer), and the walk goes on in that grouping. So a cold prompt costs a second (short)
+round trip, and a block of another layout one more at most. The scheduler's store
+remembers where its lookups found blocks of another layout (`holders_of`) and the load
+spec carries it to the workers, which read there first: a block of another layout costs
+its worker one round trip, as a GET of its own does, not a GET that misses and then the
+ranges (README, `bench_vllm --shapes cross`: a two-worker engine's cross-layout hits
+went from 1.82x a same-layout hit's TTFT to 1.01x and 0.74x in two runs).
 
 A block is in the tier only when every head is: a lookup counts a block only where
 every group of one grouping is there, and a worker's load fails where any of its heads
@@ -34,8 +40,10 @@ that order, so only engines that cut their pages the same way share.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 from kvtier.remote.head_codec import GroupCodec, HeadGroup, group_sizes, grouping, header_size
@@ -44,6 +52,7 @@ from kvtier.remote.remote_config import RemoteConfig
 from kvtier.validate import positive_int
 
 MAX_HEADS = 1 << 16  # a value's head count is two bytes of its header
+MAX_HOLDERS = 1 << 16  # blocks whose grouping a lookup remembers for the loads
 _PREFIX_BYTES = 32  # what a lookup compares (`head_codec`)
 
 
@@ -61,6 +70,9 @@ class HeadKeyedStore(RedisBlockStore):
     sizes: list[int]  # heads a value, of every grouping: this engine's first
     _fingerprint: str | bytes
     _groups: dict[HeadGroup, tuple[RedisBlockStore, GroupCodec]]
+    # blocks recent lookups found whole in another grouping: heads a value (`holders_of`)
+    _holders: OrderedDict[bytes, int]
+    _holders_lock: threading.Lock
 
     @classmethod
     def connect_heads(
@@ -86,6 +98,7 @@ class HeadKeyedStore(RedisBlockStore):
         store._fingerprint = fingerprint
         store._groups = {}
         store.sizes = group_sizes(heads, group_heads)
+        store._holders, store._holders_lock = OrderedDict(), threading.Lock()
         return store
 
     def group_store(self, group: HeadGroup) -> RedisBlockStore:
@@ -123,20 +136,30 @@ class HeadKeyedStore(RedisBlockStore):
 
     def _count_prefixes(self, questions: Sequence[Sequence[bytes]], salt: str | None) -> list[int]:
         """Walk this engine's grouping; where a walk stops, find which grouping holds that
-        block whole and walk on in it (see the module docstring)."""
+        block whole (that read is its lookup: a question of one block, as vLLM's are, is
+        answered there) and walk on in it from the next block (see the module docstring).
+        The blocks found in another grouping are remembered for the loads (`holders_of`)."""
         found = self._walk(self.group_heads, [(q, 0) for q in questions], salt)
+        if self._holders:  # found in this engine's grouping now: read there
+            self._forget_holders([h for q, n in zip(questions, found, strict=True) for h in q[:n]])
         pending = [i for i, q in enumerate(questions) if found[i] < len(q)]
         while pending:
             holders = self._whole_at([questions[i][found[i]] for i in pending], salt)
             walked = []
             for size in self.sizes:
                 ids = [i for i, held in zip(pending, holders, strict=True) if held == size]
+                starts = {i: found[i] for i in ids}
+                for i in ids:
+                    found[i] += 1  # whole in `size`: its headers were just read
+                ids = [i for i in ids if found[i] < len(questions[i])]
                 if ids:
                     steps = self._walk(size, [(questions[i], found[i]) for i in ids], salt)
                     for i, step in zip(ids, steps, strict=True):
                         found[i] += step
-                        if step and found[i] < len(questions[i]):
+                        if found[i] < len(questions[i]):
                             walked.append(i)
+                held = [h for i, start in starts.items() for h in questions[i][start : found[i]]]
+                self._remember_holders(held, size)
             pending = walked
         return found
 
@@ -181,6 +204,32 @@ class HeadKeyedStore(RedisBlockStore):
                     holder = size
             holders.append(holder)
         return holders
+
+    def holders_of(self, block_hashes: Sequence[bytes]) -> list[int] | None:
+        """For each block, the heads a value of the grouping a recent lookup found it
+        whole in, where that is not this engine's (0: this engine's, or not known); None
+        when no block has one. A load told this reads there first (`load_group`), instead
+        of a GET of its own values that misses; a stale answer costs that GET after all."""
+        with self._holders_lock:
+            held = [self._holders.get(h, 0) for h in block_hashes]
+        return held if any(held) else None
+
+    def _remember_holders(self, block_hashes: Sequence[bytes], size: int) -> None:
+        if size == self.group_heads:
+            self._forget_holders(block_hashes)
+            return
+        with self._holders_lock:
+            for block_hash in block_hashes:
+                self._holders[block_hash] = size
+                self._holders.move_to_end(block_hash)
+            while len(self._holders) > MAX_HOLDERS:
+                self._holders.popitem(last=False)
+
+    def _forget_holders(self, block_hashes: Sequence[bytes]) -> None:
+        if self._holders:
+            with self._holders_lock:
+                for block_hash in block_hashes:
+                    self._holders.pop(block_hash, None)
 
     # -- whole blocks, in this engine's grouping -----------------------------------------
 
@@ -234,27 +283,45 @@ class HeadKeyedStore(RedisBlockStore):
         group: HeadGroup,
         head_bytes: int,
         salt: str | None = None,
+        holders: Sequence[int] | None = None,
     ) -> list[memoryview | None]:
         """Each block's verified heads of `group` (`head_bytes` each), None where not
-        servable: this group's values (one GET a block), then, for the blocks they miss,
-        each other grouping's values that hold these heads (a round trip each)."""
-        values = self.group_store(group).load(block_hashes, salt)
-        missing = first_missing = [i for i, v in enumerate(values) if v is None]
-        for size in self.sizes:
+        servable. Each block's groupings are read in turn, a round trip per grouping for
+        the blocks still missing: first the one the lookup found it in (`holders`, see
+        `holders_of`), then this group's own values (one GET a block), then the other
+        groupings that hold these heads, fewest values first."""
+        if holders is not None and len(holders) != len(block_hashes):
+            raise ValueError(f"{len(holders)} holders for {len(block_hashes)} blocks")
+        own = group.count if group.first % group.count == 0 else 0
+        orders = [
+            _read_order(self.sizes, own, 0 if holders is None else holders[i])
+            for i in range(len(block_hashes))
+        ]
+        values: list[memoryview | None] = [None] * len(block_hashes)
+        missing, own_missed = list(range(len(block_hashes))), set[int]()
+        for turn in range(len(self.sizes)):
+            by_size: dict[int, list[int]] = {}
+            for i in missing:
+                by_size.setdefault(orders[i][turn], []).append(i)
+            for size, ids in by_size.items():
+                hashes = [block_hashes[i] for i in ids]
+                if size == own:
+                    got = self.group_store(group).load(hashes, salt)
+                    own_missed.update(i for i, v in zip(ids, got, strict=True) if v is None)
+                else:
+                    call = partial(self._read_heads, hashes, group, size, head_bytes, salt)
+                    read: list[memoryview | None] | None = self._guarded("load", call, None)
+                    if read is None:  # the server gave no answer: the rest is a miss
+                        missing = []
+                        break
+                    got = read
+                for i, value in zip(ids, got, strict=True):
+                    values[i] = value
+            missing = [i for i in missing if values[i] is None]
             if not missing:
                 break
-            if size == group.count and group.first % size == 0:
-                continue  # this group's own values: read above
-            hashes = [block_hashes[i] for i in missing]
-            call = partial(self._read_heads, hashes, group, size, head_bytes, salt)
-            got: list[memoryview | None] | None = self._guarded("load", call, None)
-            if got is None:
-                break
-            for i, value in zip(missing, got, strict=True):
-                values[i] = value
-            missing = [i for i in missing if values[i] is None]
-        elsewhere = len(first_missing) - len(missing)
-        if elsewhere:  # counted missing by the first read: found in another grouping after all
+        elsewhere = sum(values[i] is not None for i in own_missed)
+        if elsewhere:  # counted missing by the own read: found in another grouping after all
             self._counters.add(missing_blocks=-elsewhere)
         return values
 
@@ -267,7 +334,8 @@ class HeadKeyedStore(RedisBlockStore):
         salt: str | None,
     ) -> list[memoryview | None]:
         """`group`'s heads of each block from the values of groups of `size` heads: each
-        source's header and its byte range of these heads, one pipelined round trip."""
+        source's header and its byte range of these heads, one pipelined round trip (one
+        GETRANGE where the range follows the header: the source's first heads)."""
         first = group.first // size * size
         sources = [HeadGroup(f, size) for f in range(first, group.end, size)]
         parts = []  # (source's store and codec, the run of `group`'s heads it holds)
@@ -280,8 +348,10 @@ class HeadKeyedStore(RedisBlockStore):
             for store, codec, run in parts:
                 key = store._keys((block_hash,), salt)[0]
                 offset = hs + (run.first - codec.group.first) * head_bytes
-                pipe.getrange(key, 0, hs - 1)
-                pipe.getrange(key, offset, offset + run.count * head_bytes - 1)
+                apart = offset > hs  # else the range follows the header: one read
+                if apart:
+                    pipe.getrange(key, 0, hs - 1)
+                pipe.getrange(key, offset if apart else 0, offset + run.count * head_bytes - 1)
         replies = iter(pipe.execute(raise_on_error=False))
         out: list[memoryview | None] = []
         refused: list[bytes] = []
@@ -289,12 +359,10 @@ class HeadKeyedStore(RedisBlockStore):
         for block_hash in block_hashes:
             pieces: list[memoryview] = []
             for store, codec, run in parts:
-                header, body = next(replies), next(replies)
-                if not isinstance(header, bytes) or not header:
+                header, body = _header_and_body(replies, run.first > codec.group.first, hs)
+                if not header:
                     continue  # not there: another grouping may hold it
-                status, view = codec.verify_heads(
-                    block_hash, header, memoryview(body if isinstance(body, bytes) else b""), run
-                )
+                status, view = codec.verify_heads(block_hash, header, body, run)
                 if view is None:
                     refused.append(store._keys((block_hash,), salt)[0])
                     self._counters.add(**{_REFUSED[status]: 1})
@@ -310,6 +378,24 @@ class HeadKeyedStore(RedisBlockStore):
         if refused:  # never served again: drop them now
             self.client.delete(*refused)
         return out
+
+
+def _read_order(sizes: Sequence[int], own: int, holder: int) -> list[int]:
+    """The groupings (heads a value) a worker reads a block from, in turn: where the
+    lookup found it (`holder`, 0: not known), its own values, the others in `sizes` order."""
+    first = [s for s in (holder, own) if s in sizes]
+    return [*dict.fromkeys(first), *(s for s in sizes if s not in first)]
+
+
+def _header_and_body(replies: Iterator[object], apart: bool, hs: int) -> tuple[bytes, memoryview]:
+    """A source's header and range from its reply or two (`apart`: header read on its own);
+    b"" for the header where the value is not there."""
+    header = next(replies)
+    body = next(replies) if apart else header
+    if not isinstance(header, bytes):  # not there (or not a string value)
+        return b"", memoryview(b"")
+    body_view = memoryview(body if isinstance(body, bytes) else b"")
+    return header[:hs], body_view[0 if apart else hs :]
 
 
 def split_heads(rows: Sequence[Payload], heads: int) -> list[memoryview]:

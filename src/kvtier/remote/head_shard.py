@@ -107,7 +107,10 @@ class HeadShardKVStore:
         remote = remote_spec(spec, blocks)
         shard = self.shard
         head_bytes = self._layout.bytes_per_block // shard.count
-        values = self.store.load_group(remote.block_hashes, shard.group, head_bytes, remote.salt)
+        holders = getattr(remote, "holders", None)  # (a spec pickled before there were any)
+        values = self.store.load_group(
+            remote.block_hashes, shard.group, head_bytes, remote.salt, holders
+        )
         rows = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in blocks]
         for block_hash, row, value in zip(remote.block_hashes, rows, values, strict=True):
             if value is None or len(value) != len(row):

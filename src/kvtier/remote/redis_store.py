@@ -264,6 +264,11 @@ class RedisBlockStore:
             self._guarded("delete", lambda: self.client.delete(*refused_keys), 0)
         return out
 
+    def holders_of(self, block_hashes: Sequence[bytes]) -> list[int] | None:
+        """Where a load should read each block first, if this store keeps blocks in
+        several groupings (`head_keys`); None here: one value a block."""
+        return None
+
     def ping(self) -> bool:
         """One guarded PING: a cheap probe for a half-open breaker."""
         return bool(self._guarded("ping", self.client.ping, False))

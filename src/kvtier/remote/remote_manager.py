@@ -58,9 +58,18 @@ def epoch_salt(epoch: int, salt: str | None = None) -> str | None:
 class RemoteLoadStoreSpec(LoadStoreSpec):
     """Blocks in the remote store are addressed by their hashes (and the tenant's salt)."""
 
-    def __init__(self, block_hashes: list[BlockHash], salt: str | None = None) -> None:
+    def __init__(
+        self,
+        block_hashes: list[BlockHash],
+        salt: str | None = None,
+        holders: list[int] | None = None,
+    ) -> None:
         self.block_hashes = block_hashes
         self.salt = salt
+        # a load's hint of where each block is, from the scheduler's lookups (a store
+        # kept by head: `HeadKeyedStore.holders_of`); it orders the reads, and a wrong
+        # one costs a round trip, never a block (every read is verified the same way)
+        self.holders = holders
         # a load's `kv_store.LoadGuard`, set where the bytes move (a worker with a deadline)
         self.guard: Any = None
         # a store's copy of its blocks in host memory, set where the bytes move (the
@@ -140,7 +149,7 @@ class RemoteOffloadingManager(OffloadingManager):
         self._loading.update(hashes)
         if self._synthetic is not None:
             self.store.load(hashes, self.salt)
-        return RemoteLoadStoreSpec(hashes, self.salt)
+        return RemoteLoadStoreSpec(hashes, self.salt, self.store.holders_of(hashes))
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         hashes = block_hash_list("complete_load", block_hashes)
