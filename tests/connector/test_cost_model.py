@@ -171,18 +171,3 @@ def test_a_lookup_is_waited_for_as_long_as_it_is_expected_to_save() -> None:
     assert cost.hit_share("redis") == pytest.approx(0.8**11 + 0.2)
     assert not cost.lookup_too_slow("redis", 10)
     assert cost.gauges()["cost_lookup_hit_share", "redis"] == cost.hit_share("redis")
-
-
-def test_the_stores_give_a_links_transfer_time_until_a_load_is_timed() -> None:
-    cost = model()
-    cost.observe_round_trip("redis", 0.2)
-    assert cost.load_seconds("redis", 10) == pytest.approx(0.2)  # the round trip alone
-    cost.observe_store("redis", 10, 0.2 + 10 * 0.03)  # 30 ms a block past the round trip
-    assert cost.load_seconds("redis", 10) == pytest.approx(0.5)
-    cost.observe_step(TOKENS * 10, 0.4)  # 40 ms a block to recompute
-    assert not cost.worth_loading("redis", 10)  # 0.5 s to load against 0.4 to recompute
-    cost.observe_load("redis", 10, 0.2 + 10 * 0.001)  # a load timed: it stands alone
-    assert cost.load_seconds("redis", 10) == pytest.approx(0.21)
-    assert cost.worth_loading("redis", 10)
-    cost.observe_store("redis", 0, 1.0)  # nothing stored: nothing learnt
-    assert cost.load_seconds("redis", 10) == pytest.approx(0.21)

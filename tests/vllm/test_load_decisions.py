@@ -301,16 +301,3 @@ def test_the_answers_of_requests_that_went_on_without_them_still_count(
     assert scan(reader, other, told_prompt(reader, other, "next")) == 0
     assert cost.hit_share("redis") == pytest.approx(1 - CostConfig().smoothing)  # one miss
     assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
-
-
-def test_a_redis_stores_time_is_the_transfer_estimate_until_a_load_is_timed(
-    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
-) -> None:
-    server, proxy = redis_proxy
-    writer, _, _ = writer_and_reader(engines, server, proxy)
-    cost = writer.manager.cost
-    assert cost is not None
-    redis = cost.tiers["redis"]
-    assert redis.store_block_seconds.value is not None  # its 8 blocks' store, reported
-    assert redis.block_seconds.value is None  # no load yet
-    assert cost.load_seconds("redis", 4) is not None

@@ -102,14 +102,10 @@ class TierCost:
     def __init__(self, weight: float) -> None:
         self.round_trip = MovingAverage(weight)
         self.block_seconds = MovingAverage(weight)
-        self.store_block_seconds = MovingAverage(weight)  # until a load is timed
 
     def seconds(self, num_blocks: int) -> float | None:
-        """Predicted seconds to load `num_blocks`, or None if never measured. Before any
-        load has been timed, a block's transfer is the stores' (see `observe_store`)."""
+        """Predicted seconds to load `num_blocks`, or None if never measured."""
         rtt, per_block = self.round_trip.value, self.block_seconds.value
-        if per_block is None:
-            per_block = self.store_block_seconds.value
         if rtt is None and per_block is None:
             return None
         return (rtt or 0.0) + num_blocks * (per_block or 0.0)
@@ -166,18 +162,6 @@ class CostModel:
         tenfold)."""
         share = self.lookup_hits.get(tier)
         return 1.0 if share is None or share.value is None else share.value
-
-    def observe_store(self, tier: str, num_blocks: int, seconds: float) -> None:
-        """A finished store job to a tier whose link is the same both ways (Redis): its
-        time past one round trip, per block, stands for a load's until a load has been
-        timed. Without it a tier's first loads were offered on the round trip alone
-        (the bytes' time unknown), ran past their deadline on a slow link, and the
-        requests waiting on them paid the deadline and then the recompute."""
-        if num_blocks < 1:
-            return
-        cost = self.tier(tier)
-        rtt = cost.round_trip.value or 0.0
-        cost.store_block_seconds.add(max(seconds - rtt, 0.0) / num_blocks)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """An engine step that computed `num_tokens` tokens in `seconds`. Steps of fewer

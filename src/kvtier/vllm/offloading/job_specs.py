@@ -68,9 +68,7 @@ class WorkerReport:
     "tier:store" (tier: cpu, disk, redis); `remote_corrupt`: Redis values refused
     at load (the scheduler side's metrics); `loads`: (tier, blocks, seconds) of each
     load part that succeeded, and `steps`: (tokens, seconds) of each engine step that
-    computed tokens, for the load-or-recompute estimates (`kvtier.connector.cost_model`);
-    `stores`: (tier, blocks, seconds) of each Redis store part that succeeded (the same
-    bytes over the same link: the transfer estimate before any load has been timed)."""
+    computed tokens, for the load-or-recompute estimates (`kvtier.connector.cost_model`)."""
 
     failed_stores: dict[str, list[BlockHash]] = field(default_factory=dict)
     failed_loads: list[list[BlockHash]] = field(default_factory=list)
@@ -80,7 +78,6 @@ class WorkerReport:
     remote_corrupt: int = 0
     loads: list[tuple[str, int, float]] = field(default_factory=list)
     steps: list[tuple[int, float]] = field(default_factory=list)
-    stores: list[tuple[str, int, float]] = field(default_factory=list)
     # store parts shed because their tier's store queue was full, by tier (LOCAL, REMOTE)
     shed_stores: dict[str, list[BlockHash]] = field(default_factory=dict)
     # blocks of loads given up at their deadline, by the tier timed (cpu, disk, redis)
@@ -98,7 +95,7 @@ class WorkerReport:
         )
 
     def worth_sending(self) -> bool:
-        return bool(self) or bool(self.seconds or self.loads or self.steps or self.stores)
+        return bool(self) or bool(self.seconds or self.loads or self.steps)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         stores = _merged(self.failed_stores, other.failed_stores)
@@ -114,7 +111,6 @@ class WorkerReport:
             self.remote_corrupt + other.remote_corrupt,
             self.loads + other.loads,
             self.steps + other.steps,
-            self.stores + other.stores,
             _merged(self.shed_stores, other.shed_stores),
             dict(Counter(self.expired_loads) + Counter(other.expired_loads)),
         )

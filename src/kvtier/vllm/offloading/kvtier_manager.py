@@ -537,8 +537,6 @@ class KvtierOffloadingManager(OffloadingManager):
         if self.cost is not None:
             for tier, blocks, seconds in report.loads:
                 self.cost.observe_load(tier, blocks, seconds)
-            for tier, blocks, seconds in report.stores:
-                self.cost.observe_store(tier, blocks, seconds)
             self.step_seconds(report.steps)
 
     def _count_load(self, name: str, part: list[BlockHash], spec: object) -> None:

@@ -448,8 +448,6 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._report.seconds[timed] = self._report.seconds.get(timed, 0.0) + seconds
             if ok and direction == "load":
                 self._report.loads.append((_medium_of(part), _timed_blocks(part), seconds))
-            elif ok and tier == REMOTE:  # a Redis store: the link's rate before any load
-                self._report.stores.append((_medium_of(part), _timed_blocks(part), seconds))
             loaded_remote = job.is_load and tier == REMOTE
             if not ok:  # the slots it wrote (a store, a promotion) hold nothing to flush
                 self._forget_slots(part)
