@@ -206,7 +206,7 @@ class CostModel:
         self._declined_runs[tier] = 0
         return True
 
-    def wait_budget_s(self, tier: str, num_blocks: int) -> float:
+    def wait_budget_s(self, tier: str, num_blocks: int, found: bool = False) -> float:
         """The longest a request should wait for `tier`'s lookup of `num_blocks`: what the
         lookup is expected to save, what it could save at best (recomputing them, less
         loading them) times the share of lookups that find anything (`hit_share`); 0
@@ -217,14 +217,17 @@ class CostModel:
         whole prefill finds nothing, and waiting for it each time would make every
         request slower than with no cache at all. A workload whose prompts come back
         raises the share, and the requests wait again (the answers keep coming for the
-        requests that did not wait: see `remote_runs`)."""
+        requests that did not wait: see `remote_runs`). `found`: the tier's answer for
+        the first of the blocks is in, and it holds it: the saving is no longer a
+        chance, and the share does not apply."""
         if self.config.mode == "always":
             return math.inf
         recompute = self.recompute_seconds(num_blocks)
         if recompute is None:
             return self.config.unmeasured_wait_s
         load = self.load_seconds(tier, num_blocks) or 0.0
-        return max(recompute - load, 0.0) * self.hit_share(tier)
+        share = 1.0 if found else self.hit_share(tier)
+        return max(recompute - load, 0.0) * share
 
     def load_deadline_s(self, tier: str, num_blocks: int) -> float | None:
         """How long a load of `num_blocks` from `tier` may take before it is given up and
@@ -259,12 +262,12 @@ class CostModel:
             return 0.0
         return max(min(cap, self.wait_budget_s(tier, num_blocks) - waited_s), 0.0)
 
-    def lookup_too_slow(self, tier: str, num_blocks: int) -> bool:
+    def lookup_too_slow(self, tier: str, num_blocks: int, found: bool = False) -> bool:
         """Whether `tier`'s lookups take longer than they could save: ask it in the
         background for later requests, and let this one go on without it."""
         cost = self.tiers.get(tier)
         rtt = None if cost is None else cost.round_trip.value
-        return rtt is not None and rtt > self.wait_budget_s(tier, num_blocks)
+        return rtt is not None and rtt > self.wait_budget_s(tier, num_blocks, found)
 
     def gauges(self) -> dict[tuple[str, str], float]:
         """The estimates, by (metric key, tier), for `/metrics`."""

@@ -141,11 +141,12 @@ class RemoteRuns:
             if plan.waiting_since is None:
                 plan.waiting_since = now
             blocks = plan.blocks_left(pos)
+            found = bool(plan.answers.get(plan.keys[pos]))  # Redis holds the run's head
             # before the prompt's length is known, a first pass cannot tell what the
             # lookup could save: it lists the prompt's keys and asks them all
             patient = (plan.end is None and plan.passes < 2) or not (
-                cost.lookup_too_slow("redis", blocks)
-                or now - plan.waiting_since > cost.wait_budget_s("redis", blocks)
+                cost.lookup_too_slow("redis", blocks, found)
+                or now - plan.waiting_since > cost.wait_budget_s("redis", blocks, found)
             )
             if patient:
                 plan.deferred = True
