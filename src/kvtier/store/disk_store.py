@@ -45,7 +45,6 @@ from typing import Literal
 
 import xxhash
 
-from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.offload.disk_manager import DiskOffloadingManager
 from kvtier.store.checksum import ChecksumError, segments_checksum
 from kvtier.store.diskdir import (
@@ -73,7 +72,7 @@ from kvtier.store.diskformat import (
 )
 from kvtier.store.iothreads import IOThreads
 from kvtier.store.layout import KVLayout
-from kvtier.store.protocol import BlockLoadError
+from kvtier.store.protocol import BlockLoadError, ByBlockHashes
 from kvtier.store.slow_io import IOHook, hook_from_env
 from kvtier.types import BlockHash
 
@@ -100,7 +99,7 @@ class DiskStats:
     missing: int  # loads of a block with no file
 
 
-class DiskStore:
+class DiskStore(ByBlockHashes):
     """Blocks as files under `root`; a `BlockStore` over specs with `block_hashes`."""
 
     def __init__(
@@ -409,21 +408,7 @@ class DiskStore:
             enable_events,
         )
 
-    # --- BlockStore protocol and inspection --------------------------------
-
-    def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
-        self.write(_hashes_of(spec), blocks)
-
-    def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
-        self.read(_hashes_of(spec), blocks)
-
-    # The optional segment extension of the protocol (see kvtier.store.protocol).
-
-    def write_segments(self, spec: LoadStoreSpec, blocks: Sequence[Sequence[memoryview]]) -> None:
-        self.write_parts(_hashes_of(spec), blocks)
-
-    def read_segments(self, spec: LoadStoreSpec, blocks: Sequence[Sequence[memoryview]]) -> None:
-        self.read_parts(_hashes_of(spec), blocks)
+    # --- inspection (the BlockStore protocol: ByBlockHashes) -------------------
 
     def __contains__(self, block_hash: object) -> bool:
         with self._lock:
@@ -439,10 +424,3 @@ class DiskStore:
                 checksum_failures=self._checksum_failures,
                 missing=self._missing,
             )
-
-
-def _hashes_of(spec: LoadStoreSpec) -> Sequence[BlockHash]:
-    hashes: Sequence[BlockHash] | None = getattr(spec, "block_hashes", None)
-    if hashes is None:
-        raise TypeError(f"DiskStore needs a spec with block_hashes, got {type(spec).__name__}")
-    return hashes

@@ -42,6 +42,7 @@ from typing import Protocol, runtime_checkable
 
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.store.layout import KVLayout
+from kvtier.types import BlockHash
 
 
 class BlockLoadError(RuntimeError):
@@ -70,3 +71,57 @@ class BlockStore(Protocol):
     def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None: ...
 
     def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None: ...
+
+
+class _HashAddressed(Protocol):
+    """What `ByBlockHashes` needs of the store it serves."""
+
+    def write(self, block_hashes: Sequence[BlockHash], blocks: Sequence[memoryview]) -> None: ...
+
+    def read(self, block_hashes: Sequence[BlockHash], blocks: Sequence[memoryview]) -> None: ...
+
+    def write_parts(
+        self, block_hashes: Sequence[BlockHash], blocks: Sequence[Sequence[memoryview]]
+    ) -> None: ...
+
+    def read_parts(
+        self, block_hashes: Sequence[BlockHash], blocks: Sequence[Sequence[memoryview]]
+    ) -> None: ...
+
+
+class ByBlockHashes:
+    """The BlockStore protocol for a store addressed by block hash (the disk tiers, one
+    owner's directory or a shared one): each spec's `block_hashes` handed to the store's
+    own `write`, `read`, `write_parts` and `read_parts`."""
+
+    def write_blocks(
+        self: _HashAddressed, spec: LoadStoreSpec, blocks: Sequence[memoryview]
+    ) -> None:
+        self.write(hashes_of(self, spec), blocks)
+
+    def read_blocks(
+        self: _HashAddressed, spec: LoadStoreSpec, blocks: Sequence[memoryview]
+    ) -> None:
+        self.read(hashes_of(self, spec), blocks)
+
+    # The optional segment extension of the protocol (see the module docstring).
+
+    def write_segments(
+        self: _HashAddressed, spec: LoadStoreSpec, blocks: Sequence[Sequence[memoryview]]
+    ) -> None:
+        self.write_parts(hashes_of(self, spec), blocks)
+
+    def read_segments(
+        self: _HashAddressed, spec: LoadStoreSpec, blocks: Sequence[Sequence[memoryview]]
+    ) -> None:
+        self.read_parts(hashes_of(self, spec), blocks)
+
+
+def hashes_of(store: object, spec: LoadStoreSpec) -> Sequence[BlockHash]:
+    """A spec's block hashes; a TypeError naming the store where it has none."""
+    hashes: Sequence[BlockHash] | None = getattr(spec, "block_hashes", None)
+    if hashes is None:
+        raise TypeError(
+            f"{type(store).__name__} needs a spec with block_hashes, got {type(spec).__name__}"
+        )
+    return hashes

@@ -46,15 +46,14 @@ from pathlib import Path
 
 import xxhash
 
-from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.remote.codec import DecodeStatus
 from kvtier.remote.head_codec import GroupCodec, HeadGroup, header_size
-from kvtier.store.disk_store import DiskStats, _hashes_of
+from kvtier.store.disk_store import DiskStats
 from kvtier.store.diskdir import delete
 from kvtier.store.diskformat import TMP_SUFFIX, durable_write, read_into, sync_directory
 from kvtier.store.iothreads import IOThreads
 from kvtier.store.layout import KVLayout
-from kvtier.store.protocol import BlockLoadError
+from kvtier.store.protocol import BlockLoadError, ByBlockHashes
 from kvtier.store.shared_dir import (
     TEMP_MAX_AGE_S,
     covering,
@@ -69,7 +68,7 @@ from kvtier.types import BlockHash
 Buffer = bytes | bytearray | memoryview
 
 
-class SharedDiskStore:
+class SharedDiskStore(ByBlockHashes):
     """`group`'s heads of `total` in the shared directory of one-head layout `shared`
     under `root`; a `BlockStore` (with segments) over rows of `row`. `writes=False`:
     another worker holding the same heads writes them (fewer KV heads than workers)."""
@@ -393,20 +392,6 @@ class SharedDiskStore:
                 checksum_failures=self._corrupt,
                 missing=self._missing,
             )
-
-    # --- BlockStore protocol ---------------------------------------------------
-
-    def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
-        self.write(_hashes_of(spec), blocks)
-
-    def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
-        self.read(_hashes_of(spec), blocks)
-
-    def write_segments(self, spec: LoadStoreSpec, blocks: Sequence[Sequence[memoryview]]) -> None:
-        self.write_parts(_hashes_of(spec), blocks)
-
-    def read_segments(self, spec: LoadStoreSpec, blocks: Sequence[Sequence[memoryview]]) -> None:
-        self.read_parts(_hashes_of(spec), blocks)
 
 
 def _xxh3(views: Sequence[Buffer]) -> int:
