@@ -190,9 +190,8 @@ class RemoteRuns:
         Redis about and only where the prompt's length is known: a cold prompt's miss
         is then final at once, and a hit defers the request as before while the keys
         after it are listed and asked in one round trip."""
-        if plan.end is None or pos + 1 < len(plan.keys):
-            return False
-        if self._answer_of(plan, plan.keys[pos]) is not None:
+        # (`_known_run` has just asked for the answer, and kept it if it was in)
+        if plan.end is None or pos + 1 < len(plan.keys) or plan.keys[pos] in plan.answers:
             return False
         waited = 0.0 if plan.waiting_since is None else self.clock() - plan.waiting_since
         timeout = self.cost.sync_wait_s("redis", plan.blocks_left(pos), waited)
