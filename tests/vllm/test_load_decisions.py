@@ -261,3 +261,19 @@ def test_a_cold_prompt_is_answered_in_its_first_pass_where_redis_answers_in_time
     # not told the prompt's length (another connector): the first pass defers, as before
     assert scan(reader, cold[:3], ReqContext(req_id="untold")) is None
     assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
+
+
+def test_a_slow_redis_is_not_waited_for_once_its_round_trips_are_known(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    server, proxy = redis_proxy
+    _, reader, keys = writer_and_reader(engines, server, proxy)
+    proxy.reshape(LinkProfile.round_trip(SLOW))
+    recompute_per_block(reader, 0.001)  # 4 blocks save at most 4 ms: less than a trip
+    wait_in_place(reader, 30.0)  # a slow tier is not waited for in place either
+    assert settle(reader, keys[:2], ReqContext(req_id="first")) == 0  # measures the trips
+    assert decided(reader, "recompute") == 2  # (the counts are since the last scrape)
+    # neither deferred nor waited on: final in the first pass
+    assert scan(reader, keys[4:], told_prompt(reader, keys[4:], "told")) == 0
+    assert decided(reader, "recompute") == 4
+    assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown

@@ -130,11 +130,9 @@ class RemoteRuns:
             if plan.waiting_since is None:
                 plan.waiting_since = now
             blocks = plan.blocks_left(pos)
-            # a first pass lists the prompt's keys and asks them all, in one round trip,
-            # and the next decides on the answers (declining at the first key, on the
-            # round-trip estimate alone, recomputed a returning prompt that a fast Redis
-            # serves faster whenever the estimate rose on a busy machine)
-            patient = plan.passes < 2 or not (
+            # before the prompt's length is known, a first pass cannot tell what the
+            # lookup could save: it lists the prompt's keys and asks them all
+            patient = (plan.end is None and plan.passes < 2) or not (
                 cost.lookup_too_slow("redis", blocks)
                 or now - plan.waiting_since > cost.wait_budget_s("redis", blocks)
             )
