@@ -154,3 +154,31 @@ def test_only_a_fast_tier_is_waited_for_in_place_and_never_past_what_it_could_sa
     assert cost.sync_wait_s("redis", 8, 0.0) == 0.0
     off = CostModel(CostConfig(sync_wait_s=0), TOKENS)
     assert off.sync_wait_s("redis", 8, 0.0) == 0.0
+
+
+def test_a_lookup_is_waited_for_as_long_as_it_is_expected_to_save() -> None:
+    cost = model()
+    cost.observe_step(TOKENS * 10, 0.1)  # 10 ms a block: 10 blocks could save 0.1 s
+    assert cost.hit_share("redis") == 1.0
+    assert cost.wait_budget_s("redis", 10) == pytest.approx(0.1)
+    for _ in range(10):  # no reuse: every first lookup misses
+        cost.observe_lookup("redis", False)
+    assert cost.hit_share("redis") == pytest.approx(0.8**10)
+    assert cost.wait_budget_s("redis", 10) == pytest.approx(0.1 * 0.8**10)
+    cost.observe_round_trip("redis", 0.02)
+    assert cost.lookup_too_slow("redis", 10)  # 20 ms to expect to save about 11
+    cost.observe_lookup("redis", True)  # prompts come back: the wait grows again
+    assert cost.hit_share("redis") == pytest.approx(0.8**11 + 0.2)
+    assert not cost.lookup_too_slow("redis", 10)
+    assert cost.gauges()["cost_lookup_hit_share", "redis"] == cost.hit_share("redis")
+
+
+def test_a_lookup_whose_first_block_was_found_is_waited_for_its_whole_saving() -> None:
+    cost = model()
+    cost.observe_step(TOKENS * 10, 0.1)
+    for _ in range(10):
+        cost.observe_lookup("redis", False)
+    cost.observe_round_trip("redis", 0.02)
+    assert cost.lookup_too_slow("redis", 10)  # a chance of a hit: not worth 20 ms
+    assert cost.wait_budget_s("redis", 10, found=True) == pytest.approx(0.08)
+    assert not cost.lookup_too_slow("redis", 10, found=True)  # a hit: worth it

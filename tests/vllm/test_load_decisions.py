@@ -277,3 +277,27 @@ def test_a_slow_redis_is_not_waited_for_once_its_round_trips_are_known(
     assert scan(reader, keys[4:], told_prompt(reader, keys[4:], "told")) == 0
     assert decided(reader, "recompute") == 4
     assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
+
+
+def test_the_answers_of_requests_that_went_on_without_them_still_count(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    """The hit share (how long a request may wait, see `CostModel.wait_budget_s`) learns
+    from the requests that did not wait too: otherwise a share that fell would never
+    rise again."""
+    server, proxy = redis_proxy
+    _, reader, keys = writer_and_reader(engines, server, proxy)
+    cost = reader.manager.cost
+    assert cost is not None
+    proxy.reshape(LinkProfile.round_trip(SLOW))
+    recompute_per_block(reader, 0.001)
+    assert settle(reader, keys[:1], ReqContext(req_id="measure")) == 0  # a hit, too slow
+    assert cost.hit_share("redis") == 1.0
+    new = keys_of(3, start=8000)
+    assert scan(reader, new, told_prompt(reader, new, "went-on")) == 0  # did not wait
+    assert cost.hit_share("redis") == 1.0  # its answer is not in yet
+    assert reader.manager.wait_lookups(timeout=30)
+    other = keys_of(3, start=8100)
+    assert scan(reader, other, told_prompt(reader, other, "next")) == 0
+    assert cost.hit_share("redis") == pytest.approx(1 - CostConfig().smoothing)  # one miss
+    assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown

@@ -121,6 +121,8 @@ class CostModel:
         self.tokens_per_block = tokens_per_block
         self.tiers: dict[str, TierCost] = {}
         self.token_seconds = MovingAverage(config.smoothing)  # recompute, per token
+        # per tier: the share of requests whose first block asked of it was there
+        self.lookup_hits: dict[str, MovingAverage] = {}
         # (tier, "load" | "recompute") -> blocks decided that way
         self.decisions: Counter[tuple[str, str]] = Counter()
         self._declined_runs: Counter[str] = Counter()  # since the tier's last probe
@@ -143,6 +145,23 @@ class CostModel:
         cost = self.tier(tier)
         rtt = cost.round_trip.value or 0.0
         cost.block_seconds.add(max(seconds - rtt, 0.0) / num_blocks)
+
+    def observe_lookup(self, tier: str, found: bool) -> None:
+        """The answer to a request's first lookup of `tier` (its first block not in a
+        faster tier): whether the tier had it, so a run to load at all."""
+        share = self.lookup_hits.get(tier)
+        if share is None:  # from a prior of 1: one miss does not stop the waiting
+            share = self.lookup_hits[tier] = MovingAverage(self.config.smoothing)
+            share.value = 1.0
+        share.add(1.0 if found else 0.0)
+
+    def hit_share(self, tier: str) -> float:
+        """The moving share of requests whose first lookup of `tier` found a block, from
+        a prior of 1 (a tier never asked is assumed to have what is asked: each miss
+        then takes `smoothing` of the share away, so about ten in a row cut the wait
+        tenfold)."""
+        share = self.lookup_hits.get(tier)
+        return 1.0 if share is None or share.value is None else share.value
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """An engine step that computed `num_tokens` tokens in `seconds`. Steps of fewer
@@ -187,17 +206,28 @@ class CostModel:
         self._declined_runs[tier] = 0
         return True
 
-    def wait_budget_s(self, tier: str, num_blocks: int) -> float:
+    def wait_budget_s(self, tier: str, num_blocks: int, found: bool = False) -> float:
         """The longest a request should wait for `tier`'s lookup of `num_blocks`: what the
-        lookup could save at best (recomputing them, less loading them); 0 once loading
-        them would not pay, `unmeasured_wait_s` before the engine computed anything."""
+        lookup is expected to save, what it could save at best (recomputing them, less
+        loading them) times the share of lookups that find anything (`hit_share`); 0
+        once loading them would not pay, `unmeasured_wait_s` before the engine computed
+        anything.
+
+        Expected, not best: with no reuse (every prompt new) a lookup that could save a
+        whole prefill finds nothing, and waiting for it each time would make every
+        request slower than with no cache at all. A workload whose prompts come back
+        raises the share, and the requests wait again (the answers keep coming for the
+        requests that did not wait: see `remote_runs`). `found`: the tier's answer for
+        the first of the blocks is in, and it holds it: the saving is no longer a
+        chance, and the share does not apply."""
         if self.config.mode == "always":
             return math.inf
         recompute = self.recompute_seconds(num_blocks)
         if recompute is None:
             return self.config.unmeasured_wait_s
         load = self.load_seconds(tier, num_blocks) or 0.0
-        return max(recompute - load, 0.0)
+        share = 1.0 if found else self.hit_share(tier)
+        return max(recompute - load, 0.0) * share
 
     def load_deadline_s(self, tier: str, num_blocks: int) -> float | None:
         """How long a load of `num_blocks` from `tier` may take before it is given up and
@@ -232,12 +262,12 @@ class CostModel:
             return 0.0
         return max(min(cap, self.wait_budget_s(tier, num_blocks) - waited_s), 0.0)
 
-    def lookup_too_slow(self, tier: str, num_blocks: int) -> bool:
+    def lookup_too_slow(self, tier: str, num_blocks: int, found: bool = False) -> bool:
         """Whether `tier`'s lookups take longer than they could save: ask it in the
         background for later requests, and let this one go on without it."""
         cost = self.tiers.get(tier)
         rtt = None if cost is None else cost.round_trip.value
-        return rtt is not None and rtt > self.wait_budget_s(tier, num_blocks)
+        return rtt is not None and rtt > self.wait_budget_s(tier, num_blocks, found)
 
     def gauges(self) -> dict[tuple[str, str], float]:
         """The estimates, by (metric key, tier), for `/metrics`."""
@@ -247,6 +277,9 @@ class CostModel:
                 out["cost_round_trip_seconds", name] = cost.round_trip.value
             if cost.block_seconds.value is not None:
                 out["cost_load_block_seconds", name] = cost.block_seconds.value
+        for name, share in self.lookup_hits.items():
+            if share.value is not None:
+                out["cost_lookup_hit_share", name] = share.value
         per_block = self.recompute_seconds(1)
         if per_block is not None:
             out["cost_recompute_block_seconds", "engine"] = per_block

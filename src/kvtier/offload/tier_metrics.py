@@ -102,6 +102,12 @@ _METRICS = (
         "Moving estimate of a block's transfer time in a load from the tier.",
     ),
     TierMetric(
+        "cost_lookup_hit_share",
+        "gauge",
+        "Moving share of requests whose first block asked of the tier was there (what a "
+        "lookup is expected to save, and so how long a request waits for it, scales by it).",
+    ),
+    TierMetric(
         "cost_recompute_block_seconds",
         "gauge",
         "Moving estimate of recomputing one block of tokens on this engine (tier=engine).",

@@ -94,6 +94,17 @@ class AsyncLookups:
             return self.lookup(block_hashes)  # not known: asked again
         return found
 
+    def peek(self, block_hashes: Sequence[BlockHash]) -> int | None:
+        """The answer to a question asked earlier, if it is in, without taking it (it
+        stays for whoever asks) and without asking anything: None if not asked, not
+        answered yet, or answered with no count."""
+        future = self._pending.get(tuple(block_hashes))
+        if future is None or not future.done() or future.cancelled():
+            return None
+        if future.exception() is not None:
+            return None
+        return future.result()[0]
+
     def _send_queued(self) -> None:
         """Every question queued so far (not forgotten), in one round trip per salt."""
         with self._lock:

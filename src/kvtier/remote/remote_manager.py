@@ -26,7 +26,7 @@ contents (and the byte counters) behave as they would with real KV bytes.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from kvtier.offload.abstract import (
@@ -113,6 +113,10 @@ class RemoteOffloadingManager(OffloadingManager):
         if self._async is not None:
             return self._async.lookup(hashes)
         return self.store.count_prefix(hashes, self.salt)
+
+    def peek_lookup(self, block_hashes: Sequence[BlockHash]) -> int | None:
+        """An asynchronous lookup's answer if it is in, without taking it or asking."""
+        return self._async.peek(block_hashes) if self._async is not None else None
 
     def wait_lookups(self, timeout: float | None = None) -> bool:
         """Block until asynchronous lookups have answers; True at once when synchronous."""

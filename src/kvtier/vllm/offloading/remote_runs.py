@@ -10,6 +10,7 @@ request's context) and the background lookups' answers.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ class LookupPlan:
     passes: int = 1
     waiting_since: float | None = None
     end: int | None = None
+    observed: bool = False  # its first Redis answer went into the tier's hit share
 
     def blocks_left(self, pos: int) -> int:
         """The prompt's blocks from `pos` on: from its length where known, else those
@@ -72,6 +74,12 @@ def plan_of(req_context: ReqContext) -> LookupPlan:
     return plan
 
 
+# first keys of requests that went on without their Redis answer, watched for it (the
+# hit share must see the answers of the requests that did not wait, or a share that
+# fell to 0 would never rise again)
+MAX_WATCHED = 64
+
+
 class RemoteRuns:
     """Decides a request's Redis runs. `found`: the manager's memory of where recent
     lookups found each block (a Redis answer is handed out once), which `remember`
@@ -92,6 +100,7 @@ class RemoteRuns:
         self._found = found
         self._remember_in = remember
         self.clock = clock
+        self._watched: OrderedDict[BlockHash, None] = OrderedDict()
 
     def _remember(self, block_hash: BlockHash) -> None:
         self._remember_in(block_hash, REMOTE)
@@ -113,8 +122,10 @@ class RemoteRuns:
                 return LookupResult.RETRY
             cost.decisions["redis", "load"] += bool(found)
             return self._answer(block_hash, bool(found))
+        self._collect_watched()
         for attempt in (0, 1):
             ahead, pending = self._known_run(plan, pos)
+            self._observe_first(plan, pos)
             self.tier_stats.pull_lookup_seconds()  # the round trips so far, for the estimate
             # (a run declined with every answer in counts toward the tier's next probe)
             if ahead and (
@@ -130,11 +141,12 @@ class RemoteRuns:
             if plan.waiting_since is None:
                 plan.waiting_since = now
             blocks = plan.blocks_left(pos)
+            found = bool(plan.answers.get(plan.keys[pos]))  # Redis holds the run's head
             # before the prompt's length is known, a first pass cannot tell what the
             # lookup could save: it lists the prompt's keys and asks them all
             patient = (plan.end is None and plan.passes < 2) or not (
-                cost.lookup_too_slow("redis", blocks)
-                or now - plan.waiting_since > cost.wait_budget_s("redis", blocks)
+                cost.lookup_too_slow("redis", blocks, found)
+                or now - plan.waiting_since > cost.wait_budget_s("redis", blocks, found)
             )
             if patient:
                 plan.deferred = True
@@ -142,10 +154,34 @@ class RemoteRuns:
             # waited as long as the lookup could save: the request goes on without it;
             # the questions stay asked, and their answers serve later requests
             ahead = blocks
+            if not plan.observed:
+                plan.observed = True
+                self._watched[plan.keys[pos]] = None
+                if len(self._watched) > MAX_WATCHED:
+                    self._watched.popitem(last=False)
         if ahead:
             cost.decisions["redis", "recompute"] += ahead
             plan.declined = True
         return self._answer(block_hash, False)
+
+    def _observe_first(self, plan: LookupPlan, pos: int) -> None:
+        """The request's first Redis answer, once it is in, into the tier's hit share."""
+        if not plan.observed:
+            found = plan.answers.get(plan.keys[pos])
+            if found is not None:
+                plan.observed = True
+                self.cost.observe_lookup("redis", bool(found))
+
+    def _collect_watched(self) -> None:
+        """The answers come in for requests that went on without them (see MAX_WATCHED)."""
+        peek = getattr(self.remote, "peek_lookup", None)
+        if peek is None or not self._watched:
+            return
+        for block_hash in list(self._watched):
+            found = peek([block_hash])
+            if found is not None:
+                del self._watched[block_hash]
+                self.cost.observe_lookup("redis", bool(found))
 
     def _wait_in_place(self, plan: LookupPlan, pos: int) -> bool:
         """Wait here, on the scheduler's thread, for the answer to the key at `pos` (a
