@@ -69,14 +69,78 @@ def test_apply_refuses_what_it_cannot_place() -> None:
         raise AssertionError(f"{bad} was accepted")
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_routed_prompt_counts_as_in_the_pool_until_an_event_names_it() -> None:
+    clock = Clock()
+    index = BlockIndex(clock)
+    index.stored("a", Tier.CPU, HASHES[:1])
+    index.routed("a", HASHES[:3], ttl_s=10.0)
+    # the engine's events are late: its turn's blocks count as in its pool
+    assert index.prefix_tiers("a", list(HASHES)) == [Tier.GPU] * 3
+    assert index.prefix_tiers("b", list(HASHES)) == []
+    index.removed("a", Tier.GPU, HASHES[1:2])  # the events speak: the guess ends
+    assert index.prefix_tiers("a", list(HASHES)) == [Tier.GPU]
+    clock.now = 10.5  # no event for the rest in ttl_s: the engine may have dropped it
+    assert index.prefix_tiers("a", list(HASHES)) == [Tier.CPU]
+
+
+def test_a_reset_or_a_lost_engine_ends_the_guesses_and_zero_makes_none() -> None:
+    index = BlockIndex(Clock())
+    index.routed("a", HASHES[:2], ttl_s=10.0)
+    index.clear("a")
+    assert index.prefix_tiers("a", list(HASHES)) == []
+    index.routed("a", HASHES[:2], ttl_s=10.0)
+    index.drop_engine("a")
+    assert index.prefix_tiers("a", list(HASHES)) == []
+    index.routed("a", HASHES[:2], ttl_s=0.0)
+    assert index.prefix_tiers("a", list(HASHES)) == []
+
+
+def test_an_int_hash_event_ends_the_guess_of_its_block() -> None:
+    index = BlockIndex(Clock())
+    index.routed("a", HASHES[:2], ttl_s=10.0)
+    index.stored("a", Tier.CPU, [int_form(HASHES[0])])  # an engine that publishes ints
+    assert index.prefix_tiers("a", list(HASHES)) == [Tier.CPU, Tier.GPU]
+
+
 class IndexMachine(RuleBasedStateMachine):
-    """Any sequence of stores, removals, clears and drops: the index answers as a
-    counter of (engine, hash, tier) announcements does."""
+    """Any sequence of stores, removals, clears, drops, routed prompts and time passing:
+    the index answers as a counter of (engine, hash, tier) announcements and a table of
+    routed guesses (each until an event names its block, a reset or drop, or its
+    time runs out) do."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.index = BlockIndex()
+        self.clock = Clock()
+        self.index = BlockIndex(self.clock)
         self.model: Counter[tuple[str, bytes, Tier]] = Counter()
+        self.routed: dict[tuple[str, bytes], float] = {}
+
+    @rule(
+        engine=st.sampled_from(ENGINES),
+        hashes=st.lists(st.sampled_from(HASHES), max_size=4),
+        ttl=st.sampled_from([0.0, 1.0, 5.0]),
+    )
+    def route(self, engine: str, hashes: list[bytes], ttl: float) -> None:
+        self.index.routed(engine, hashes, ttl)
+        if ttl > 0:
+            for h in hashes:
+                self.routed[(engine, h)] = self.clock.now + ttl
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 3.0]))
+    def wait(self, seconds: float) -> None:
+        self.clock.now += seconds
+
+    def _named(self, engine: str, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.routed.pop((engine, h), None)
 
     @rule(
         engine=st.sampled_from(ENGINES),
@@ -85,6 +149,7 @@ class IndexMachine(RuleBasedStateMachine):
     )
     def store(self, engine: str, tier: Tier, hashes: list[bytes]) -> None:
         self.index.apply(engine, TierEvent("stored", tier, tuple(hashes)))
+        self._named(engine, hashes)
         for h in hashes:
             self.model[(engine, h, tier)] += 1
 
@@ -95,6 +160,7 @@ class IndexMachine(RuleBasedStateMachine):
     )
     def remove(self, engine: str, tier: Tier, hashes: list[bytes]) -> None:
         self.index.apply(engine, TierEvent("removed", tier, tuple(hashes)))
+        self._named(engine, hashes)
         for h in hashes:
             if self.model[(engine, h, tier)] > 0:
                 self.model[(engine, h, tier)] -= 1
@@ -102,6 +168,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(engine=st.sampled_from(ENGINES))
     def clear(self, engine: str) -> None:
         self.index.apply(engine, TierEvent("cleared"))
+        self.routed = {k: v for k, v in self.routed.items() if k[0] != engine}
         for key in list(self.model):
             if key[0] == engine and key[2] is not Tier.SHARED:
                 self.model[key] = 0
@@ -109,6 +176,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(engine=st.sampled_from(ENGINES))
     def drop(self, engine: str) -> None:
         self.index.drop_engine(engine)
+        self.routed = {k: v for k, v in self.routed.items() if k[0] != engine}
         for key in list(self.model):
             if key[0] == engine:
                 self.model[key] = 0
@@ -131,6 +199,8 @@ class IndexMachine(RuleBasedStateMachine):
             wanted = []
             for h in HASHES:
                 tier = self.expected(engine, h)
+                if self.routed.get((engine, h), -1.0) >= self.clock.now:
+                    tier = Tier.GPU  # routed moments ago: in the pool by now
                 if tier is None:
                     break
                 wanted.append(tier)

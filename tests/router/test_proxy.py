@@ -25,6 +25,11 @@ PROMPT = list(range(100, 100 + 4 * BLOCK))  # four full blocks
 HASHES = PromptHasher(BLOCK).hashes("/v1/completions", {"prompt": PROMPT})
 
 
+def cold(i: int) -> list[int]:
+    """A prompt of four blocks that no other request shares."""
+    return [1000 * (i + 1) + t for t in range(4 * BLOCK)]
+
+
 @dataclass
 class Setup:
     router: Router
@@ -128,8 +133,24 @@ def test_a_shared_block_counts_for_every_engine_and_gpu_beats_cpu(tmp_path: Path
 def test_cold_prompts_take_turns(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with setup(tmp_path, n=3) as s:
-            answers = [(await s.post())[1]["engine"] for _ in range(6)]
+            answers = [(await s.post(prompt=cold(i)))[1]["engine"] for i in range(6)]
             assert answers == ["e0", "e1", "e2", "e0", "e1", "e2"]
+
+    run(scenario)
+
+
+def test_a_prompt_routed_moments_ago_goes_where_it_went_before_its_events(
+    tmp_path: Path,
+) -> None:
+    """The fakes publish nothing unless told: the router's guess alone sends the repeat
+    (a conversation's next turn, sent before the engine's events came) after it."""
+
+    async def scenario() -> None:
+        async with setup(tmp_path, n=3) as s:
+            first = (await s.post())[1]["engine"]
+            longer = [*PROMPT, *range(5000, 5000 + BLOCK)]  # the next turn: one more block
+            assert (await s.post(prompt=longer))[1]["engine"] == first
+            assert s.router.counters.by_reason.get("prefix") == 1
 
     run(scenario)
 
@@ -220,10 +241,11 @@ def test_failing_health_takes_out_passing_health_puts_back(tmp_path: Path) -> No
         async with setup(tmp_path) as s:
             s.engines[1].mode = "sick"
             await until(lambda: not s.router.engines["e1"].up, "e1 taken out")
-            assert {(await s.post())[1]["engine"] for _ in range(4)} == {"e0"}
+            assert {(await s.post(prompt=cold(i)))[1]["engine"] for i in range(4)} == {"e0"}
             s.engines[1].mode = "ok"
             await until(lambda: s.router.engines["e1"].up, "e1 put back")
-            assert {(await s.post())[1]["engine"] for _ in range(4)} == {"e0", "e1"}
+            engines = {(await s.post(prompt=cold(i)))[1]["engine"] for i in range(4, 8)}
+            assert engines == {"e0", "e1"}
 
     run(scenario)
 

@@ -38,6 +38,8 @@ def test_engines_and_weights_parse() -> None:
         (["--engine", "http://h:1", "--weights", "gpu"], "NAME=X"),
         (["--engine", "http://h:1", "--weights", "gpu=x"], "not a number"),
         (["--engine", "http://h:1", "--block-size", "0"], "block_size"),
+        (["--engine", "http://h:1", "--routed-ttl", "-1"], "routed_ttl_s"),
+        (["--engine", "http://h:1", "--routed-ttl", "inf"], "routed_ttl_s"),
     ],
 )
 def test_bad_flags_are_refused(

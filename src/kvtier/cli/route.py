@@ -50,6 +50,14 @@ def add_route_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--request-timeout", type=float, default=120.0, metavar="S")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S")
+    p.add_argument(
+        "--routed-ttl",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a prompt just routed counts as in its engine's pool until the engine's "
+        "KV events name its blocks, for at most S seconds (0: wait for the events)",
+    )
 
 
 def parse_engine(text: str, topic: str, bind: bool) -> EngineSpec:
@@ -85,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         weights=parse_weights(args.weights),
         request_timeout_s=args.request_timeout,
         health_interval_s=args.health_interval,
+        routed_ttl_s=args.routed_ttl,
     )
 
 

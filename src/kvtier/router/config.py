@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvtier.router.scoring import POLICIES, Weights
@@ -57,6 +58,9 @@ class RouterConfig:
     health_interval_s: float = 1.0
     health_timeout_s: float = 5.0
     replay_timeout_s: float = 2.0
+    # a prompt just routed counts as in its engine's pool until the engine's events name
+    # its blocks, for at most this long (kvtier.router.index; 0: wait for the events)
+    routed_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -76,3 +80,6 @@ class RouterConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        ttl = self.routed_ttl_s
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 <= ttl < math.inf:
+            raise ValueError(f"routed_ttl_s must be a finite number of seconds >= 0, got {ttl!r}")

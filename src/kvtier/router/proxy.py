@@ -189,6 +189,7 @@ class Router:
                         tuple(tokens),
                     )
                 )
+            self.index.routed(decision.engine, hashes, self.config.routed_ttl_s)
             state.in_flight += 1
             try:
                 response = await self._forward(state, request, raw)
