@@ -61,7 +61,11 @@ def test_returning_prompt_comes_back_from_the_redis_tier(
     assert_same_output(returned, pool_hit)  # the same tokens and logprobs as a pool hit
     client = redis_server.client()
     try:
-        assert client.dbsize() >= 6 * (1 + len(fillers))  # every prompt's blocks cascaded
+        # every prompt's blocks cascaded but the last filler's: vLLM's tiering layer
+        # cascades a prompt when a later step sees its CPU store done, and under the
+        # full suite's load that store can finish after the engine's last step
+        # (30 of 36 once in CI)
+        assert client.dbsize() >= 6 * len(fillers)
         # and blocks were read back: MGET is the Redis tier's load (lookups use a script)
         assert client.info("commandstats")["cmdstat_mget"]["calls"] >= 1
     finally:
