@@ -46,6 +46,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from benchmarks.bench_redis import redis_server
 from benchmarks.common import write_result
 from benchmarks.serving_profiles import (
@@ -201,14 +203,35 @@ def bench(
                     proxy.reshape(profile.link)
                 sides = {"vllm": servers["vllm"], "kvtier": servers[profile.server]}
                 hook = profile.stall_hook(proxy)
+                rig_cpu = None
+                if proxy is not None and profile.redis:
+                    rig_cpu = partial(_rig_cpu, proxy, port)
                 result = _workload(
-                    setup, sides, make, seed=w, before=hook, after_run=_resume(proxy)
+                    setup,
+                    sides,
+                    make,
+                    seed=w,
+                    before=hook,
+                    after_run=_resume(proxy),
+                    rig_cpu=rig_cpu,
                 )
                 by_profile[profile.name] = {**result, "profile": asdict(profile)}
                 print(f"{name} [{profile.name}]: {verdict_line(result)}", flush=True)
             default = len(profiles) == 1 and profiles[0].name == "cpu"
             out["workloads"][name] = by_profile[profiles[0].name] if default else by_profile
     return out
+
+
+def _rig_cpu(proxy: ShapingProxy, redis_port: int) -> dict[str, float]:
+    """CPU seconds so far of the shaping proxy's threads and of the redis-server (its
+    INFO cpu: user and system, every thread of it)."""
+    client = redis.Redis(host="127.0.0.1", port=redis_port, socket_timeout=10)
+    try:
+        cpu = client.info("cpu")
+    finally:
+        client.close()
+    server = float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+    return {"proxy": proxy.cpu_seconds, "redis_server": server}
 
 
 def _resume(proxy: ShapingProxy | None) -> Callable[[], None]:
@@ -222,9 +245,13 @@ def _workload(
     seed: int,
     before: BeforeSend | None = None,
     after_run: Callable[[], None] = _nothing,
+    rig_cpu: Callable[[], dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """One workload on both sides; `before`, `after_run`: the kvtier side's profile
-    (a stall before a request, the link flowing again after the run)."""
+    (a stall before a request, the link flowing again after the run); `rig_cpu`: the
+    CPU seconds so far of what stands in for a remote Redis here (the shaping proxy,
+    the redis-server), which run on the engines' cores where a real deployment's would
+    not: each kvtier run reports what they took (`rig_cpu_s`)."""
     workload = make(seed)
     hooks = {"vllm": (None, _nothing), "kvtier": (before, after_run)}
     idle: dict[str, Any] = {}
@@ -243,9 +270,16 @@ def _workload(
         for side in SIDES if i % 2 == 0 else SIDES[::-1]:
             server, (hook, after) = servers[side], hooks[side]
             play = partial(run_load, server.url, "model", workload, rate, seed=i, before=hook)
+            cpu_before = rig_cpu() if rig_cpu is not None and side == "kvtier" else None
             summary, tiers = _run_side(server, play, after)
             row[side] = {**asdict(summary), "tiers": tiers}
-            print(f"   {workload.name} rate {rate:.3f}/s {side}: {_brief(summary)}", flush=True)
+            rig = ""
+            if rig_cpu is not None and cpu_before is not None:
+                used = {k: v - cpu_before[k] for k, v in rig_cpu().items()}
+                row[side]["rig_cpu_s"] = used
+                rig = ", CPU s of " + ", ".join(f"the {k} {v:.2f}" for k, v in used.items())
+            brief = _brief(summary)
+            print(f"   {workload.name} rate {rate:.3f}/s {side}: {brief}{rig}", flush=True)
         runs.append(row)
     idle_ttft = idle["vllm"]["ttft_p90_s"]
     return {

@@ -34,6 +34,17 @@ def test_every_byte_passes_both_ways(proxy: ShapingProxy) -> None:
     assert proxy.connections == 1
 
 
+def test_the_cpu_its_threads_spend_is_counted(proxy: ShapingProxy) -> None:
+    """What a benchmark reports beside its figures (the proxy shares the engines' cores)."""
+    assert proxy.cpu_seconds == 0.0
+    r = client(proxy)
+    r.set("k", bytes(4 << 20))
+    first = proxy.cpu_seconds
+    assert first > 0.0
+    assert r.get("k") == bytes(4 << 20)
+    assert proxy.cpu_seconds >= first  # CPU time only grows
+
+
 def test_a_round_trip_takes_at_least_both_delays(proxy: ShapingProxy) -> None:
     r = client(proxy)
     r.ping()  # connected before the link slows
