@@ -89,7 +89,8 @@ _METRICS = (
         "decided_recompute_blocks",
         "counter",
         "Blocks the tier held (or may have held: a lookup not waited for) that kvtier left "
-        "to recompute, their load predicted slower.",
+        "to recompute, their load predicted slower (each block of a request once, at its "
+        "first decision, however often the engine asks again).",
     ),
     TierMetric(
         "cost_round_trip_seconds",

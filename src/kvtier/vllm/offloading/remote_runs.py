@@ -45,6 +45,18 @@ class LookupPlan:
     passes: int = 1
     waiting_since: float | None = None
     end: int | None = None
+    # positions whose decision is counted (`decided`): vLLM asks a waiting request
+    # again on every step it cannot schedule it, and each pass decides again
+    counted: set[int] = field(default_factory=set)
+
+    def decided(self, pos: int, num_blocks: int) -> int:
+        """How many of the `num_blocks` from `pos` on are decided for the first time in
+        this request (each block counts once in `CostModel.decisions`, at its first
+        decision, however many passes vLLM makes)."""
+        new = [p for p in range(pos, pos + num_blocks) if p not in self.counted]
+        self.counted.update(new)
+        return len(new)
+
     observed: bool = False  # its first Redis answer went into the tier's hit share
 
     def blocks_left(self, pos: int) -> int:
@@ -120,7 +132,8 @@ class RemoteRuns:
             found = self._answer_of(plan, block_hash)
             if found is None or plan.deferred:
                 return LookupResult.RETRY
-            cost.decisions["redis", "load"] += bool(found)
+            if found:
+                cost.decisions["redis", "load"] += plan.decided(pos, 1)
             return self._answer(block_hash, bool(found))
         self._collect_watched()
         for attempt in (0, 1):
@@ -132,7 +145,7 @@ class RemoteRuns:
                 cost.worth_loading("redis", ahead) or (not pending and cost.probe("redis"))
             ):
                 plan.start = pos
-                cost.decisions["redis", "load"] += 1
+                cost.decisions["redis", "load"] += plan.decided(pos, 1)
                 return self._answer(block_hash, True)
             if not (pending and attempt == 0 and self._wait_in_place(plan, pos)):
                 break
@@ -160,7 +173,7 @@ class RemoteRuns:
                 if len(self._watched) > MAX_WATCHED:
                     self._watched.popitem(last=False)
         if ahead:
-            cost.decisions["redis", "recompute"] += ahead
+            cost.decisions["redis", "recompute"] += plan.decided(pos, ahead)
             plan.declined = True
         return self._answer(block_hash, False)
 
