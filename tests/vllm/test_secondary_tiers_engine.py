@@ -61,11 +61,12 @@ def test_returning_prompt_comes_back_from_the_redis_tier(
     assert_same_output(returned, pool_hit)  # the same tokens and logprobs as a pool hit
     client = redis_server.client()
     try:
-        # every prompt's blocks cascaded but the last filler's: vLLM's tiering layer
-        # cascades a prompt when a later step sees its CPU store done, and under the
-        # full suite's load that store can finish after the engine's last step
-        # (30 of 36 once in CI)
-        assert client.dbsize() >= 6 * len(fillers)
+        # the returning prompt's blocks are in Redis; the fillers' may not all be:
+        # vLLM's tiering layer cascades a prompt at a step after its CPU store is done
+        # (the last may have no step left) and drops cascades to a tier under
+        # backpressure (a moving average of its store latency); under the full
+        # suite's load 30 and 24 of 36 blocks were there in two CI runs, 36 alone
+        assert client.dbsize() >= 6
         # and blocks were read back: MGET is the Redis tier's load (lookups use a script)
         assert client.info("commandstats")["cmdstat_mget"]["calls"] >= 1
     finally:
