@@ -3,6 +3,8 @@ wherever it is made (a constructor argument, a CLI flag, an engine's extra confi
 
 from __future__ import annotations
 
+import math
+
 
 def positive_int(name: str, value: object, minimum: int = 1) -> int:
     """`value` itself when it is an int (not a bool) >= minimum; else a ValueError naming it."""
@@ -16,6 +18,14 @@ def whole_number(name: str, value: object, minimum: int) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return positive_int(name, value, minimum)
+
+
+def seconds(name: str, value: object) -> float:
+    """`value` itself when it is a finite number (not a bool) >= 0; else a ValueError
+    naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ValueError(f"{name}={value!r}; a finite number of seconds >= 0")
+    return value
 
 
 def key_values(text: str, allowed: dict[str, str], where: str = "") -> dict[str, str]:

@@ -41,6 +41,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
+from kvtier.validate import seconds
+
 MODES = ("measured", "always")
 MIN_STEP_BLOCKS = 2
 # a load's deadline is never shorter: a Redis call slower than its default socket timeout
@@ -75,11 +77,7 @@ class CostConfig:
         if not 0 < smoothing <= 1:
             raise ValueError(f"cost smoothing={smoothing!r}; a number in (0, 1]")
         for name in ("unmeasured_wait_s", "sync_wait_s"):
-            wait = getattr(self, name)
-            if isinstance(wait, bool) or not isinstance(wait, int | float):
-                raise ValueError(f"{name}={wait!r}; a finite number of seconds >= 0")
-            if not 0 <= wait < math.inf:
-                raise ValueError(f"{name}={wait!r}; a finite number of seconds >= 0")
+            seconds(name, getattr(self, name))
 
 
 class MovingAverage:

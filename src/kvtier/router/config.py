@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from kvtier.router.scoring import POLICIES, Weights
-from kvtier.validate import positive_int
+from kvtier.validate import positive_int, seconds
 
 # Every answer the router passes on says which engine gave it (a client's load run
 # records it; here, not in the proxy, so reading it needs none of the router's extras).
@@ -80,6 +79,4 @@ class RouterConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        ttl = self.routed_ttl_s
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 <= ttl < math.inf:
-            raise ValueError(f"routed_ttl_s must be a finite number of seconds >= 0, got {ttl!r}")
+        seconds("routed_ttl_s", self.routed_ttl_s)
