@@ -45,9 +45,16 @@ class LookupPlan:
     passes: int = 1
     waiting_since: float | None = None
     end: int | None = None
+    observed: bool = False  # its first Redis answer went into the tier's hit share
     # positions whose decision is counted (`decided`): vLLM asks a waiting request
     # again on every step it cannot schedule it, and each pass decides again
     counted: set[int] = field(default_factory=set)
+
+    def blocks_left(self, pos: int) -> int:
+        """The prompt's blocks from `pos` on: from its length where known, else those
+        listed so far (a first pass lists them as it goes)."""
+        end = len(self.keys) if self.end is None else max(self.end, len(self.keys))
+        return max(end - pos, 1)
 
     def decided(self, pos: int, num_blocks: int) -> int:
         """How many of the `num_blocks` from `pos` on are decided for the first time in
@@ -56,14 +63,6 @@ class LookupPlan:
         new = [p for p in range(pos, pos + num_blocks) if p not in self.counted]
         self.counted.update(new)
         return len(new)
-
-    observed: bool = False  # its first Redis answer went into the tier's hit share
-
-    def blocks_left(self, pos: int) -> int:
-        """The prompt's blocks from `pos` on: from its length where known, else those
-        listed so far (a first pass lists them as it goes)."""
-        end = len(self.keys) if self.end is None else max(self.end, len(self.keys))
-        return max(end - pos, 1)
 
     def position(self, block_hash: BlockHash) -> int:
         pos = self.index.get(block_hash)
