@@ -52,6 +52,7 @@ from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockStore
 from kvtier.transfer.device import DeviceKV, leave_compute_cores, limit_torch_threads
 from kvtier.transfer.handlers import HostSlotHandler, StagedHandler, TransferHandler
+from kvtier.transfer.thread_priority import load_priority
 from kvtier.types import BlockHash
 
 log = logging.getLogger(__name__)
@@ -352,7 +353,14 @@ class TransferWorker:
         return batch, None
 
     def _run_batch(self, direction: str, batch: list[_Job]) -> list[TransferResult]:
-        """Run queued jobs as one when their specs merge; their results, in order."""
+        """Run queued jobs as one when their specs merge; their results, in order. Loads
+        run at a raised priority where the process may (`thread_priority`)."""
+        if direction == LOAD:
+            with load_priority():
+                return self._run_merged(direction, batch)
+        return self._run_merged(direction, batch)
+
+    def _run_merged(self, direction: str, batch: list[_Job]) -> list[TransferResult]:
         merged = self._merged(direction, batch) if len(batch) > 1 else None
         if merged is None:
             return [self._run(direction, job) for job in batch]
