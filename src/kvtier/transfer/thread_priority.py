@@ -11,10 +11,10 @@ the thread that reads a load from Redis for seconds. Measured on this 2-core mac
 run): in three runs, 6 of 24 loads took 1.4 to 21 s against 0.15 to 0.4 s for the
 rest, two of them failed at the 5 s socket timeout and were recomputed; over a stall
 the engine's three main threads took 96% of both cores and the loading thread and
-the Redis server next to none. With the loading thread at nice -10, no load stalled
-(README, "Tensor parallelism"). A periodic real-time sampler on the same machine also
-made the stalls vanish: the spinners were not preempted for a waking thread, whatever
-its share.
+the Redis server next to none. With the loading thread at nice -10, 1 of 24 loads in
+two runs stalled (README, `bench_vllm --shapes cross`), and the others' spread narrowed
+(0.13-0.38 s a job). A real-time sampler waking every 50 ms on the same machine also
+made the stalls vanish in a run: the spinners were not preempted for a waking thread.
 
 The priority is raised for the load only (a thread that also serves stores, the
 cascade's ordered worker, copies those at its usual priority: a store competes with
