@@ -1,27 +1,26 @@
 """A load runs at a raised scheduling priority, where the process may raise it.
 
-A load is what a request waits for. On a CPU engine whose workers compute on every
-core (tensor-parallel size equal to the core count: `VLLM_CPU_OMP_THREADS_BIND="0|1"`
-on two), no core is left for kvtier's threads (`device.leave_compute_cores`), and
-between steps vLLM's processes do not sleep: the readers of its shared-memory
-message queues spin (`sched_yield`) for a second after each message, and an engine
-whose requests wait on a load runs empty steps. The kernel let those spinners starve
-the thread that reads a load from Redis for seconds. Measured on this 2-core machine
-(a two-worker engine loading returning 4,096-token prompts from Redis, eight loads a
-run): in three runs, 6 of 24 loads took 1.4 to 21 s against 0.15 to 0.4 s for the
-rest, two of them failed at the 5 s socket timeout and were recomputed; over a stall
-the engine's three main threads took 96% of both cores and the loading thread and
-the Redis server next to none. With the loading thread at nice -10, 1 of 24 loads in
-two runs stalled (README, `bench_vllm --shapes cross`), and the others' spread narrowed
-(0.13-0.38 s a job). A real-time sampler waking every 50 ms on the same machine also
-made the stalls vanish in a run: the spinners were not preempted for a waking thread.
+A load is what a request waits for. On a CPU engine whose workers compute on every core
+(tensor-parallel size equal to the core count: `VLLM_CPU_OMP_THREADS_BIND="0|1"` on
+two), no core is left for kvtier's threads (`device.leave_compute_cores`), and between
+steps vLLM's processes do not sleep: the readers of its shared-memory message queues
+spin (`sched_yield`) for a second after each message, and an engine whose requests wait
+on a load runs empty steps. The kernel let those spinners starve the thread that reads a
+load from Redis for seconds. Measured on this 2-core machine (a two-worker engine
+loading returning 4,096-token prompts from Redis, eight loads a run): in five runs, 16
+of 40 requests took 1.1 to 21 s to their first token against 0.22 to 0.88 s for the
+rest, and 5 of those failed at the 5 s socket timeout and were recomputed; over a stall
+the engine's three main threads took 96% of both cores and the loading thread and the
+Redis server next to none. With the loading thread at nice -10, 1 of 24 in two runs
+stalled (README, `bench_vllm --shapes cross`; it failed), the others took 0.21 to 0.79
+s. A real-time sampler waking every 50 ms on the same machine also made the stalls
+vanish in a run: the spinners were not preempted for a waking thread.
 
 The priority is raised for the load only (a thread that also serves stores, the
-cascade's ordered worker, copies those at its usual priority: a store competes with
-the model's compute, a load is waited for) and only by the thread itself
-(`setpriority` on its own thread id, Linux). Without the right to raise it
-(CAP_SYS_NICE or RLIMIT_NICE), nothing changes: the first refusal is logged once,
-and later loads do not ask again.
+cascade's ordered worker, copies those at its usual priority: a store competes with the
+model's compute, a load is waited for) and only by the thread itself (`setpriority` on
+its own thread id, Linux). Without the right to raise it (CAP_SYS_NICE or RLIMIT_NICE),
+nothing changes: the first refusal is logged once, and later loads do not ask again.
 """
 
 from __future__ import annotations
