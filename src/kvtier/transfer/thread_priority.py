@@ -11,10 +11,11 @@ loading returning 4,096-token prompts from Redis, eight loads a run): in five ru
 of 40 requests took 1.1 to 21 s to their first token against 0.22 to 0.88 s for the
 rest, and 5 of those failed at the 5 s socket timeout and were recomputed; over a stall
 the engine's three main threads took 96% of both cores and the loading thread and the
-Redis server next to none. With the loading thread at nice -10, 1 of 24 in two runs
-stalled (README, `bench_vllm --shapes cross`; it failed), the others took 0.21 to 0.79
-s. A real-time sampler waking every 50 ms on the same machine also made the stalls
-vanish in a run: the spinners were not preempted for a waking thread.
+Redis server next to none. With the loading thread at nice -10, 3 of 40 in three runs still
+failed (README, `bench_vllm --shapes cross`): the stalls remain, and whether they are
+rarer is within the noise of so few runs. A real-time sampler waking every 50 ms on the
+same machine made them vanish in a run: the spinners were not preempted for a waking
+thread.
 
 The priority is raised for the load only (a thread that also serves stores, the
 cascade's ordered worker, copies those at its usual priority: a store competes with the
