@@ -330,6 +330,45 @@ def test_an_idle_step_with_only_stores_in_flight_waits_for_the_oldest_store(
     assert engine.hits(keys) == 2
 
 
+def test_an_idle_step_with_nothing_here_idles_only_while_another_worker_is_busy(
+    engines: list[Engine],
+) -> None:
+    """Tensor parallelism: the worker that finished its part of a load first used to
+    return from each empty step at once and spin, with the engine core, through vLLM's
+    message queues, on the cores the other worker's Redis load needed (issue 37). With
+    a job still out on another worker it idles for the step's wait; with a job of its own
+    it waits for that instead; with none anywhere it returns at once."""
+    engine = Engine({"cpu_bytes_to_use": 4 * BLOCK_BYTES, "cpu_copy_threads": 3})
+    engines.append(engine)
+    idled: list[float] = []
+    engine.worker.idle = idled.append
+    engine.worker.wait_for_transfer(0.005)
+    assert idled == []
+    engine.worker.wait_for_transfer(0.005, others=True)
+    assert idled == [0.005]
+    keys = keys_of(2, start=60)
+    engine.compute([0, 1], seed=9)
+    engine.store(keys, [0, 1])
+    spec = engine.manager.prepare_load(keys, engine.ctx)
+    engine.worker.submit_load(98, spec, GPULoadStoreSpec([6, 5], [2], [0]))
+    engine.worker.wait_for_transfer(30, others=True)  # its own load: waits for it
+    assert idled == [0.005]
+    assert [r.job_id for r in engine.worker.get_finished()] == [98]
+    engine.manager.complete_load(set(keys), engine.ctx)
+
+
+def test_the_scheduler_tells_the_workers_whether_a_job_is_still_out() -> None:
+    from types import SimpleNamespace
+
+    from kvtier.vllm.offloading.kvtier_connector import jobs_pending
+
+    assert not jobs_pending(SimpleNamespace(_jobs={}))
+    assert jobs_pending(SimpleNamespace(_jobs={3: object()}))
+    # a vLLM without the job table: its public "keep stepping" question
+    assert jobs_pending(SimpleNamespace(has_pending_push_work=lambda: True))
+    assert not jobs_pending(SimpleNamespace(has_pending_push_work=lambda: False))
+
+
 def test_failure_prone_tiers_need_kvtier_connector(tmp_path: Path) -> None:
     extra = {"cpu_bytes_to_use": 1 << 20, "disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 24}
     with pytest.raises(ValueError, match='"kv_connector": "KvtierConnector"'):

@@ -107,6 +107,18 @@ def worker_meta(meta: OffloadingWorkerMetadata | None, report: WorkerReport) -> 
 IDLE_STEP_WAIT_S = 0.005
 # the attribute of vLLM's connector metadata that tells the workers a step's tokens
 STEP_TOKENS = "kvtier_step_tokens"
+# ... and the one that tells them some transfer job is not yet done on every worker
+JOBS_PENDING = "kvtier_jobs_pending"
+
+
+def jobs_pending(connector_scheduler: Any) -> bool:
+    """Whether a transfer job of the engine is not yet done by every worker (vLLM's
+    scheduler side keeps each job until all workers report it), so an empty step is
+    waiting on one of them."""
+    jobs = getattr(connector_scheduler, "_jobs", None)
+    if jobs is None:  # another vLLM: the public, wider question
+        return bool(connector_scheduler.has_pending_push_work())
+    return bool(jobs)
 
 
 def wait_for_lookups(manager: Any, scheduler_output: Any) -> bool:
@@ -126,6 +138,7 @@ class KvtierConnector(OffloadingConnector):
         check_vllm_version()
         check_layer_types(kv_cache_config)
         self._idle_step = False  # the current step computes nothing (see get_finished)
+        self._jobs_pending = False  # some job is still running on some worker (ditto)
         self._step: tuple[int, float] | None = None  # (tokens, start) of the step running
         token = UNDER_KVTIER_CONNECTOR.set(True)
         heads = TOTAL_KV_HEADS.set(vllm_config.model_config.get_total_num_kv_heads())
@@ -181,6 +194,7 @@ class KvtierConnector(OffloadingConnector):
         step's timing for the recompute estimate starts here."""
         super().bind_connector_metadata(connector_metadata)
         tokens = getattr(connector_metadata, STEP_TOKENS, 0)
+        self._jobs_pending = bool(getattr(connector_metadata, JOBS_PENDING, False))
         self._step = (tokens, time.perf_counter()) if tokens else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -188,14 +202,18 @@ class KvtierConnector(OffloadingConnector):
         load (or, with none, store) instead of returning at once: vLLM would run the next
         empty step right away, and its engine loop spinning through empty steps takes the
         cores the copies need (on the CPU platform, the very core: vLLM binds the worker's
-        thread to it) and, on a small machine, the Redis server's."""
+        thread to it) and, on a small machine, the Redis server's. A worker with none of
+        its own while another worker's part of a job runs (tensor parallelism: the
+        worker that finished first) waits as long, idle: returning at once, it spun
+        through vLLM's message queues with the engine core and starved the other
+        worker's Redis load (issue 37)."""
         worker = self._kvtier_worker()
         if worker is not None and self._step is not None:  # the recompute estimate
             tokens, started = self._step
             worker.note_step(tokens, time.perf_counter() - started)
             self._step = None
         if worker is not None and self._idle_step:
-            worker.wait_for_transfer(IDLE_STEP_WAIT_S)
+            worker.wait_for_transfer(IDLE_STEP_WAIT_S, others=self._jobs_pending)
         finished: tuple[set[str], set[str]] = super().get_finished(finished_req_ids)
         return finished
 
@@ -217,6 +235,8 @@ class KvtierConnector(OffloadingConnector):
             wait_for_lookups(self.connector_scheduler.manager, scheduler_output)
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, STEP_TOKENS, scheduler_output.total_num_scheduled_tokens)
+        if self.connector_scheduler is not None:
+            setattr(meta, JOBS_PENDING, jobs_pending(self.connector_scheduler))
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -199,6 +199,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         the results, which vLLM's own connector asserts are all successful."""
         self.kv = PagedDeviceKV(layout, [t.tensor for t in kv_caches.tensors])
         self.clock: Callable[[], float] = time.perf_counter  # the loads' deadlines
+        self.idle: Callable[[float], None] = time.sleep  # an empty step with nothing here
         self._block_bytes = layout.bytes_per_block
         self.memory = MemoryStore(layout, num_cpu_slots, checksums=config.cpu_checksums)
         self.report_failures = report_failures
@@ -540,9 +541,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
             errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def wait_for_transfer(self, timeout: float) -> None:
+    def wait_for_transfer(self, timeout: float, others: bool = False) -> None:
         """Block until the oldest load in flight is done (with no load: the oldest store),
-        or `timeout` seconds pass.
+        or `timeout` seconds pass; with none in flight here, return at once, or, when
+        `others` (another worker of the engine still runs its part of a job), idle for
+        `timeout` seconds.
 
         Why stores too: an engine whose requests have all finished while their stores are
         in flight keeps stepping, empty, until the stores complete, and each empty step
@@ -557,6 +560,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
             jobs = list(self._jobs.values())
             job = next((j for j in jobs if j.is_load), None) or next(iter(jobs), None)
             subs = [] if job is None else [(part.tier, sub) for sub, part in job.waiting.items()]
+        if not subs and others:
+            self.idle(timeout)
+            return
         deadline = time.monotonic() + timeout
         for tier, sub in subs:
             left = deadline - time.monotonic()
