@@ -17,7 +17,10 @@ and 2 MiB blocks, each round writes then reads the same blocks in jobs of
   (the first half, the last) from those values, told where they are as the scheduler's
   lookup tells an engine's workers (`HeadKeyedStore.holders_of`): one GETRANGE a block
   for the first half (its range follows the header), a header and a range for the last:
-  what reading another layout's blocks costs (load only).
+  what reading another layout's blocks costs (load only);
+- `gather`: the reverse, a one-worker engine loading whole blocks that a two-worker
+  engine wrote (its two workers' half values, stored by the side's store): two source
+  values a block, each worker's heads copied straight into place.
 One round trip per job on every side.
 Sides alternate job by job (so all see the same background noise); the best
 repetition of each counts (the machine is shared and noisy).
@@ -144,6 +147,13 @@ def bench_size(
     told = [RemoteLoadStoreSpec([hashes[i] for i in b]) for b in batches]
     for spec in told:  # where the lookup found them: one value of every head
         spec.holders = [heads] * len(spec.block_hashes)
+    # `gather`: blocks of their own (other hashes), written by halves
+    gathered = [int_block_hash(num_blocks + i) for i in range(num_blocks)]
+    gather_specs = [RemoteLoadStoreSpec([gathered[i] for i in b]) for b in batches]
+    for spec in gather_specs:
+        spec.holders = [max(half, 1)] * len(spec.block_hashes)
+    gather_dest = np.zeros_like(rows)
+    gather_dests = [memoryview(gather_dest[i]) for i in range(num_blocks)]
     plain = redis.Redis(host="127.0.0.1", port=port)
     plain_keys = [b"plain:" + h.hex().encode() for h in hashes]
 
@@ -165,6 +175,14 @@ def bench_size(
     def cross_last_load(n: int) -> None:
         last_store.read_blocks(told[n], [last_dests[i] for i in batches[n]])
 
+    def gather_store(n: int) -> None:
+        mid = block_bytes // 2
+        half_store.write_blocks(gather_specs[n], [sources[i][:mid] for i in batches[n]])
+        last_store.write_blocks(gather_specs[n], [sources[i][mid:] for i in batches[n]])
+
+    def gather_load(n: int) -> None:
+        head_store.read_blocks(gather_specs[n], [gather_dests[i] for i in batches[n]])
+
     def plain_store(n: int) -> None:
         pipe = plain.pipeline(transaction=False)
         for i in batches[n]:
@@ -185,6 +203,7 @@ def bench_size(
     if half:
         sides["cross"] = (lambda n: None, cross_load)  # reads what `heads` wrote
         sides["cross_last"] = (lambda n: None, cross_last_load)
+        sides["gather"] = (gather_store, gather_load)
     times: dict[str, list[float]] = {f"{s}_{d}": [] for s in sides for d in ("store", "load")}
     for _ in range(repeats):
         plain.flushall()
@@ -201,6 +220,7 @@ def bench_size(
     if half:
         assert np.array_equal(halves, rows[:, : block_bytes // 2]), "cross load: other bytes"
         assert np.array_equal(last_halves, rows[:, block_bytes // 2 :]), "cross_last: other bytes"
+        assert np.array_equal(gather_dest, rows), "gather load: other bytes"
     for stats in (tier.stats, by_head.stats, by_half.stats):
         assert stats.corrupt_blocks == stats.errors == 0
     key_bytes = len(tier.store.key(hashes[0]))
@@ -227,6 +247,7 @@ def bench_size(
         "heads_load_ratio": gbps["heads_load"] / gbps["tier_load"],
         "cross_load_ratio": gbps["cross_load"] / gbps["tier_load"] if half else None,
         "cross_last_load_ratio": gbps["cross_last_load"] / gbps["tier_load"] if half else None,
+        "gather_load_ratio": gbps["gather_load"] / gbps["tier_load"] if half else None,
         "block_bytes": block_bytes,
         "num_blocks": num_blocks,
         "batch_blocks": batch,
@@ -330,7 +351,9 @@ def main() -> None:
                 if r["cross_load_ratio"] is None
                 else f"; half the heads from another layout's values: load "
                 f"{g['cross_load']:.2f} GB/s ({r['cross_load_ratio']:.0%}), the last half "
-                f"{g['cross_last_load']:.2f} GB/s ({r['cross_last_load_ratio']:.0%})"
+                f"{g['cross_last_load']:.2f} GB/s ({r['cross_last_load_ratio']:.0%}); whole "
+                f"blocks from a two-worker engine's values: {g['gather_load']:.2f} GB/s "
+                f"({r['gather_load_ratio']:.0%})"
             )
         )
     for lk in lookups:

@@ -284,12 +284,14 @@ class HeadKeyedStore(RedisBlockStore):
         head_bytes: int,
         salt: str | None = None,
         holders: Sequence[int] | None = None,
-    ) -> list[memoryview | None]:
-        """Each block's verified heads of `group` (`head_bytes` each), None where not
-        servable. Each block's groupings are read in turn, a round trip per grouping for
-        the blocks still missing: first the one the lookup found it in (`holders`, see
-        `holders_of`), then this group's own values (one GET a block), then the other
-        groupings that hold these heads, fewest values first."""
+    ) -> list[list[memoryview] | None]:
+        """Each block's verified heads of `group` (`head_bytes` each) as the runs its
+        source values hold, in head order (one run where one value holds them all), None
+        where not servable: the caller copies the runs into place, where a join would
+        copy every byte once more. Each block's groupings are read in turn, a round trip
+        per grouping for the blocks still missing: first the one the lookup found it in
+        (`holders`, see `holders_of`), then this group's own values (one GET a block),
+        then the other groupings that hold these heads, fewest values first."""
         if holders is not None and len(holders) != len(block_hashes):
             raise ValueError(f"{len(holders)} holders for {len(block_hashes)} blocks")
         own = group.count if group.first % group.count == 0 else 0
@@ -297,7 +299,7 @@ class HeadKeyedStore(RedisBlockStore):
             _read_order(self.sizes, own, 0 if holders is None else holders[i])
             for i in range(len(block_hashes))
         ]
-        values: list[memoryview | None] = [None] * len(block_hashes)
+        values: list[list[memoryview] | None] = [None] * len(block_hashes)
         missing, own_missed = list(range(len(block_hashes))), set[int]()
         for turn in range(len(self.sizes)):
             by_size: dict[int, list[int]] = {}
@@ -305,12 +307,14 @@ class HeadKeyedStore(RedisBlockStore):
                 by_size.setdefault(orders[i][turn], []).append(i)
             for size, ids in by_size.items():
                 hashes = [block_hashes[i] for i in ids]
+                got: list[list[memoryview] | None]
                 if size == own:
-                    got = self.group_store(group).load(hashes, salt)
+                    loaded = self.group_store(group).load(hashes, salt)
+                    got = [None if v is None else [v] for v in loaded]
                     own_missed.update(i for i, v in zip(ids, got, strict=True) if v is None)
                 else:
                     call = partial(self._read_heads, hashes, group, size, head_bytes, salt)
-                    read: list[memoryview | None] | None = self._guarded("load", call, None)
+                    read: list[list[memoryview] | None] | None = self._guarded("load", call, None)
                     if read is None:  # the server gave no answer: the rest is a miss
                         missing = []
                         break
@@ -332,7 +336,7 @@ class HeadKeyedStore(RedisBlockStore):
         size: int,
         head_bytes: int,
         salt: str | None,
-    ) -> list[memoryview | None]:
+    ) -> list[list[memoryview] | None]:
         """`group`'s heads of each block from the values of groups of `size` heads: each
         source's header and its byte range of these heads, one pipelined round trip (one
         GETRANGE where the range follows the header: the source's first heads)."""
@@ -353,7 +357,7 @@ class HeadKeyedStore(RedisBlockStore):
                     pipe.getrange(key, 0, hs - 1)
                 pipe.getrange(key, offset if apart else 0, offset + run.count * head_bytes - 1)
         replies = iter(pipe.execute(raise_on_error=False))
-        out: list[memoryview | None] = []
+        out: list[list[memoryview] | None] = []
         refused: list[bytes] = []
         counts = {"loaded_blocks": 0, "loaded_bytes": 0}
         for block_hash in block_hashes:
@@ -371,9 +375,9 @@ class HeadKeyedStore(RedisBlockStore):
             if len(pieces) != len(parts):
                 out.append(None)
                 continue
-            out.append(pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces)))
+            out.append(pieces)
             counts["loaded_blocks"] += 1
-            counts["loaded_bytes"] += len(out[-1])  # type: ignore[arg-type]
+            counts["loaded_bytes"] += sum(len(p) for p in pieces)
         self._counters.add(**counts)
         if refused:  # never served again: drop them now
             self.client.delete(*refused)

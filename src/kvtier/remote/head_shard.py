@@ -112,23 +112,27 @@ class HeadShardKVStore:
             remote.block_hashes, shard.group, head_bytes, remote.salt, holders
         )
         rows = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in blocks]
-        for block_hash, row, value in zip(remote.block_hashes, rows, values, strict=True):
-            if value is None or len(value) != len(row):
+        for block_hash, row, runs in zip(remote.block_hashes, rows, values, strict=True):
+            got = None if runs is None else sum(len(run) for run in runs)
+            if got != len(row):
                 heads = (
                     f"head {shard.first}"
                     if shard.count == 1
                     else f"heads {shard.first}..{shard.first + shard.count - 1}"
                 )
-                size = "absent or refused" if value is None else f"{len(value)} bytes"
+                size = "absent or refused" if got is None else f"{got} bytes"
                 raise BlockLoadError(
                     f"remote block {block_hash.hex()} {heads} not servable ({size}, "
                     f"expected {len(row)} verified bytes); recompute it"
                 )
         guard: LoadGuard | None = getattr(remote, "guard", None)  # a deadline, see LoadGuard
         with holding(guard, "a remote load"):
-            for row, value in zip(rows, values, strict=True):
-                assert value is not None  # checked above
-                row[:] = value
+            for row, runs in zip(rows, values, strict=True):
+                assert runs is not None  # checked above
+                at = 0
+                for run in runs:  # each source value's heads, straight into place
+                    row[at : at + len(run)] = run
+                    at += len(run)
 
 
 __all__ = ["HeadShard", "HeadShardKVStore"]
