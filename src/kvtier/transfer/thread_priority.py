@@ -15,7 +15,10 @@ Redis server next to none. With the loading thread at nice -10, 3 of 40 in three
 failed (README, `bench_vllm --shapes cross`): the stalls remain, and whether they are
 rarer is within the noise of so few runs. A real-time sampler waking every 50 ms on the
 same machine made them vanish in a run: the spinners were not preempted for a waking
-thread.
+thread. What stopped them was taking a spinner away: the worker that finished its part
+of a load first now idles through the engine's empty steps instead of spinning
+(`KvtierConnector.get_finished`; 24 of 24 loads whole in three such runs). The raised
+priority stays, for a load that must share its core with compute all the same.
 
 The priority is raised for the load only (a thread that also serves stores, the
 cascade's ordered worker, copies those at its usual priority: a store competes with the
