@@ -30,40 +30,19 @@ def submit_store(engine: Engine, job: int, keys: list[bytes], device_ids: list[i
     engine.worker.submit_store(job, gpu, out.store_spec)
 
 
-def stalling_engine(engines: list[Engine], url: str, queue_blocks: int) -> Engine:
-    """An engine whose Redis (behind a proxy at `url`) may stall with stores in flight."""
-    extra = {
-        "cpu_bytes_to_use": 8 * BLOCK_BYTES,
-        "redis_url": url,
-        "redis_socket_timeout_s": 60.0,  # a stalled store stays in flight
-        "redis_store_queue_bytes": queue_blocks * BLOCK_BYTES,
-    }
-    engine = Engine(extra)
-    engines.append(engine)
-    return engine
-
-
-def read_back(
-    engines: list[Engine], url: str, keys: list[bytes], device_ids: list[int]
-) -> list[bytes]:
-    """The blocks another engine finds whole in Redis and loads, as bytes."""
-    reader = Engine({"cpu_bytes_to_use": 8 * BLOCK_BYTES, "redis_url": url})
-    engines.append(reader)
-    for k in keys:
-        reader.manager.lookup(k, reader.ctx)
-    assert reader.manager.remote.wait_lookups(timeout=30)
-    assert reader.hits(keys) == len(keys)
-    errors, _ = reader.load(keys, device_ids)
-    assert not errors
-    return [reader.block_bytes(i) for i in device_ids]
-
-
 def test_a_tier_behind_sheds_stores_and_counts_them(engines: list[Engine], tmp_path: Path) -> None:
     servers = serve_redis(tmp_path)
     server = next(servers)
     try:
         with ShapingProxy(("127.0.0.1", server.port)) as proxy:
-            engine = stalling_engine(engines, proxy.url, queue_blocks=2)
+            extra = {
+                "cpu_bytes_to_use": 8 * BLOCK_BYTES,
+                "redis_url": proxy.url,
+                "redis_socket_timeout_s": 60.0,  # a stalled store stays in flight
+                "redis_store_queue_bytes": 2 * BLOCK_BYTES,
+            }
+            engine = Engine(extra)
+            engines.append(engine)
             first, second = keys_of(2, start=700), keys_of(2, start=710)
             engine.compute([0, 1, 2, 3], seed=5)
             proxy.stall()
@@ -100,16 +79,22 @@ def test_a_slow_redis_store_frees_the_engines_blocks_at_once(
     engines: list[Engine], tmp_path: Path
 ) -> None:
     """vLLM waits for a store's job before it reuses the job's blocks (its flush:
-    `worker.wait`). A Redis store's blocks are copied into host memory (by its thread
-    as it starts, see the next test for a flush that comes first), so that flush
-    returns while Redis is stalled, the engine overwrites the blocks, and Redis still
-    gets the blocks as they were; the copies stay within the Redis store queue's bound
-    (a store past it is shed)."""
+    `worker.wait`). A Redis store copies its blocks into host memory when submitted, so
+    that flush returns while Redis is stalled, the engine overwrites the blocks, and
+    Redis still gets the blocks as they were; the copies stay within the Redis store
+    queue's bound (a store past it is shed)."""
     servers = serve_redis(tmp_path)
     server = next(servers)
     try:
         with ShapingProxy(("127.0.0.1", server.port)) as proxy:
-            engine = stalling_engine(engines, proxy.url, queue_blocks=2)
+            extra = {
+                "cpu_bytes_to_use": 8 * BLOCK_BYTES,
+                "redis_url": proxy.url,
+                "redis_socket_timeout_s": 60.0,
+                "redis_store_queue_bytes": 2 * BLOCK_BYTES,
+            }
+            engine = Engine(extra)
+            engines.append(engine)
             first, second = keys_of(2, start=750), keys_of(2, start=760)
             data = engine.compute([0, 1], seed=8)
             proxy.stall()
@@ -129,7 +114,15 @@ def test_a_slow_redis_store_frees_the_engines_blocks_at_once(
             results = engine.worker.get_finished()
             assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
             engine.manager.complete_store(first, engine.ctx)
-            assert read_back(engines, server.url, first, [4, 5]) == list(data.values())
+            reader = Engine({"cpu_bytes_to_use": 8 * BLOCK_BYTES, "redis_url": server.url})
+            engines.append(reader)
+            for k in first:
+                reader.manager.lookup(k, reader.ctx)
+            assert reader.manager.remote.wait_lookups(timeout=30)
+            assert reader.hits(first) == 2
+            errors, _ = reader.load(first, [4, 5])
+            assert not errors
+            assert [reader.block_bytes(i) for i in (4, 5)] == list(data.values())
     finally:
         next(servers, None)
 
@@ -178,45 +171,5 @@ def test_under_vllms_own_connector_nothing_is_shed(engines: list[Engine], tmp_pa
             engine.worker.wait_finished({1, 2})
             results = engine.worker.get_finished()
             assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
-    finally:
-        next(servers, None)
-
-
-def test_a_flush_copies_a_redis_store_still_queued_behind_a_stalled_one(
-    engines: list[Engine], tmp_path: Path
-) -> None:
-    """A Redis store's blocks are copied out of the engine's memory by the Redis thread
-    when it starts the store, not on the engine's thread at submission; a flush of a
-    store still queued behind a stalled one copies its blocks itself and returns, and
-    Redis later gets the blocks as they were when stored."""
-    servers = serve_redis(tmp_path)
-    server = next(servers)
-    try:
-        with ShapingProxy(("127.0.0.1", server.port)) as proxy:
-            engine = stalling_engine(engines, proxy.url, queue_blocks=4)  # room for both
-            first, second = keys_of(2, start=770), keys_of(2, start=780)
-            data = engine.compute([0, 1, 2, 3], seed=11)
-            proxy.stall()
-            submit_store(engine, 1, first, [0, 1])  # its thread copies, then stalls
-            submit_store(engine, 2, second, [2, 3])  # queued behind it, not copied yet
-            assert engine.worker.take_report().shed_stores == {}
-            (part,) = [p for p in engine.worker._jobs[2].waiting.values() if p.tier == REMOTE]
-            copy = part.spec.staged
-            assert copy.staging is None  # not copied at submission
-            flush = threading.Thread(target=engine.worker.wait, args=({2},), daemon=True)
-            flush.start()
-            flush.join(timeout=30)
-            assert not flush.is_alive()  # copied by the flush while Redis is stalled
-            assert copy.staging is not None  # the flush's own copy, which Redis will get
-            engine.compute([2, 3], seed=12)  # the engine reuses the blocks
-            engine.worker.wait({1})  # copied by its thread already: returns too
-
-            proxy.resume()
-            engine.worker.wait_finished({1, 2})
-            results = engine.worker.get_finished()
-            assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
-            engine.manager.complete_store(first + second, engine.ctx)
-            loaded = read_back(engines, server.url, first + second, [4, 5, 6, 7])
-            assert loaded == list(data.values())
     finally:
         next(servers, None)

@@ -72,8 +72,8 @@ class RemoteLoadStoreSpec(LoadStoreSpec):
         self.holders = holders
         # a load's `kv_store.LoadGuard`, set where the bytes move (a worker with a deadline)
         self.guard: Any = None
-        # a store's `StoreCopy` of its blocks in host memory, set where the bytes move
-        # (the worker's): a flush frees the engine's blocks without waiting for Redis
+        # a store's copy of its blocks in host memory, set where the bytes move (the
+        # worker's, `StagedHandler.snapshot`): the engine's blocks are free at once
         self.staged: Any = None
 
     @staticmethod

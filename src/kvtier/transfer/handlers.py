@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -274,9 +273,10 @@ class StagedHandler:
 
     def snapshot(self, device_ids: npt.NDArray[np.int64]) -> _Staging:
         """A copy of these device blocks in host rows of their own, taken now on the
-        calling thread (`StoreCopy.free`: a flush that cannot wait for a slow store). A
-        CPU device only: there the blocks' last writes are done when their store is
-        submitted (a GPU's would need the compute stream's event)."""
+        calling thread. For a store that may wait long for its medium (a slow Redis): set
+        as the store spec's `staged`, the store writes from it, so the engine may reuse
+        the blocks at once. A CPU device only: there the blocks' last writes are done
+        when their store is submitted (a GPU's would need the compute stream's event)."""
         if self.kv.device.type != "cpu":
             raise ValueError(f"snapshot of blocks on {self.kv.device}: a CPU device only")
         staging = _Staging(self.kv.layout, len(device_ids), pin_memory=False)
@@ -285,12 +285,12 @@ class StagedHandler:
 
     def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
         moved = len(device_ids) * self.kv.layout.bytes_per_block
-        copy: StoreCopy | None = getattr(spec, "staged", None)
-        if copy is not None:  # the engine may want its blocks back before the medium answers
+        staged: _Staging | None = getattr(spec, "staged", None)
+        if staged is not None:  # copied out of the engine's blocks at submission
             try:
-                self.medium.write_blocks(spec, self._copied(device_ids, copy, ready))
+                self.medium.write_blocks(spec, staged.rows)
             finally:
-                spec.staged = None  # type: ignore[attr-defined]  # a flush's copy goes now
+                spec.staged = None  # type: ignore[attr-defined]  # its memory goes now
             return moved
         if self._rows:
             self.medium.write_blocks(spec, self._row_views(device_ids))
@@ -302,26 +302,6 @@ class StagedHandler:
         self._streams.run(self._streams.store, ready, lambda: self._to_staging(device_ids, staging))
         self.medium.write_blocks(spec, staging.rows[: len(device_ids)])
         return moved
-
-    def _copied(
-        self, device_ids: npt.NDArray[np.int64], copy: StoreCopy, ready: Any
-    ) -> list[memoryview]:
-        """The store's rows out of the engine's memory: copied here into this handler's
-        staging rows, the engine's blocks freed at once; or, where a flush got there
-        first, the flush's own copy."""
-        if copy.claim():
-            try:
-                staging = self._stage("store", len(device_ids))
-                self._streams.run(
-                    self._streams.store, ready, lambda: self._to_staging(device_ids, staging)
-                )
-            finally:
-                copy.freed()
-            return staging.rows[: len(device_ids)]
-        copy.wait_freed()
-        if copy.staging is None:  # the flush's copy failed and its blocks are the engine's
-            raise RuntimeError(f"the copy of a {len(device_ids)}-block store failed")
-        return copy.staging.rows
 
     def load(
         self,
@@ -391,47 +371,6 @@ def _flat_bytes(segment: torch.Tensor) -> memoryview:
     num_blocks, size = segment.shape
     extent = (num_blocks - 1) * segment.stride(0) + size
     return segment.as_strided((extent,), (1,)).numpy().data.cast("B")
-
-
-class StoreCopy:
-    """A store's blocks copied out of the engine's memory once, by whichever thread
-    comes first, so that a store to a slow medium (Redis) never holds the engine's
-    blocks long and never costs the engine's own thread a copy: the store's transfer
-    thread copies when it starts the job (the copy reuses its staging rows), and a
-    flush (vLLM reusing the blocks: `free`) that comes before copies them itself,
-    into rows of their own that the store then writes from."""
-
-    def __init__(self, handler: StagedHandler, device_ids: npt.NDArray[np.int64]) -> None:
-        self._handler = handler
-        self._ids = device_ids
-        self._lock = threading.Lock()
-        self._claimed = False
-        self._freed = threading.Event()
-        self.staging: _Staging | None = None  # the flush's copy, where the flush took it
-
-    def claim(self) -> bool:
-        """Whether the caller is the one to copy (then it must call `freed` after)."""
-        with self._lock:
-            claimed, self._claimed = self._claimed, True
-        return not claimed
-
-    def freed(self) -> None:
-        """The engine's blocks are no longer read by this store."""
-        self._freed.set()
-
-    def wait_freed(self) -> None:
-        self._freed.wait()
-
-    def free(self) -> None:
-        """Return once the engine's blocks are no longer needed: copied now, on the
-        calling thread, if the store has not started; else once its copy is done."""
-        if not self.claim():
-            self.wait_freed()
-            return
-        try:
-            self.staging = self._handler.snapshot(self._ids)
-        finally:
-            self.freed()
 
 
 class _Staging:

@@ -54,7 +54,7 @@ from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
 from kvtier.store.shared_disk import SharedDiskStore
 from kvtier.transfer.cascade_handler import CascadeHandler
-from kvtier.transfer.handlers import StagedHandler, StoreCopy
+from kvtier.transfer.handlers import StagedHandler
 from kvtier.transfer.pages import PagedDeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
@@ -259,8 +259,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._store_cap = {LOCAL: config.store_queue_bytes(True)}
         self._store_cap[REMOTE] = config.store_queue_bytes(False)
         self._store_queued = dict.fromkeys(self._store_cap, 0)
-        # Redis store parts with a `StoreCopy` (`_stage_remote`): a flush waits for their
-        # copy, not their send; on a CPU device only (see `StagedHandler.snapshot`)
+        # Redis store parts copied into host memory at submission (`_stage_remote`), whose
+        # device blocks a flush need not wait for; on a CPU device only (see `snapshot`)
         self._staged: set[int] = set()
         handler = self.workers[REMOTE].handler if REMOTE in self.workers else None
         self._stager = (
@@ -343,20 +343,17 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def _stage_remote(
         self, subs: list[tuple[int, Part]], device_ids: npt.NDArray[np.int64]
     ) -> list[tuple[int, Part]]:
-        """Give each Redis store part a `StoreCopy`, so that vLLM may reuse the engine's
-        blocks without waiting for a slow Redis (its flush, `wait`): the Redis thread
-        copies them into host memory when it starts the part, and a flush that comes
-        first copies them itself. Not here: a copy on the engine's thread at every
-        store cost a loaded two-core engine 15-25 ms a 32-block store. What a flush
-        copies is bounded by the Redis store queue (a part larger than the whole bound
-        is sent from the engine's blocks, and a flush waits for it)."""
+        """Copy each Redis store part's blocks into host memory now, so that vLLM may
+        reuse the engine's blocks without waiting for a slow Redis (its flush, `wait`).
+        The copies are what the Redis store queue counts: at most its bound in all (a
+        part larger than the whole bound is sent from the engine's blocks instead)."""
         if self._stager is None:
             return subs
         staged = []
         for sub, part in subs:
             nbytes = len(part.positions) * self._block_bytes
             if isinstance(part.spec, RemoteLoadStoreSpec) and nbytes <= self._store_cap[REMOTE]:
-                part = _own(part, staged=StoreCopy(self._stager, device_ids[part.positions]))
+                part = _own(part, staged=self._stager.snapshot(device_ids[part.positions]))
                 self._staged.add(sub)
             staged.append((sub, part))
         return staged
@@ -575,20 +572,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         """Block until the engine's blocks of these jobs are free to reuse (vLLM's flush
         before it reallocates them): every part is done (a promotion starts only after
-        its load) but the Redis stores, whose blocks are copied into host memory (here,
-        if their thread has not yet), which finish on their own and complete their jobs
-        later."""
-        with self._lock:
-            copies = [
-                store_copy
-                for job_id in job_ids
-                if (job := self._jobs.get(job_id)) is not None
-                for sub, part in job.waiting.items()
-                if sub in self._staged
-                and isinstance(store_copy := getattr(part.spec, "staged", None), StoreCopy)
-            ]
-        for store_copy in copies:
-            store_copy.free()
+        its load) but the Redis stores already copied into host memory, which finish
+        on their own and complete their jobs later."""
         self._wait(job_ids, staged=False)
 
     def wait_finished(self, job_ids: set[int]) -> None:
