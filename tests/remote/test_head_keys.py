@@ -98,8 +98,9 @@ def test_any_layout_reads_what_another_wrote(
     write(writer, hashes, data)
     assert reader[0][0].manager().lookup(hashes) == 5
     assert read(reader, hashes) == data
-    # one value per block and worker of the writer; the reader wrote nothing
-    assert redis_server.client().dbsize() == 5 * writers
+    # one value per block and worker of the writer, and the set naming its grouping; the
+    # reader wrote nothing
+    assert redis_server.client().dbsize() == 5 * writers + 1
     assert head_store(reader).stats.missing_blocks == 0  # found in the writer's grouping
 
 
@@ -114,7 +115,7 @@ def test_a_layout_reading_its_own_blocks_pays_what_one_value_a_block_did(
         client.flushall()
         two = engine(redis_server.url, workers)
         write(two, hashes, data)
-        assert client.dbsize() == 3 * workers
+        assert client.dbsize() == 3 * workers + 1  # and the set naming the grouping
         for _, shard in two:
             key = head_store(two).group_key(hashes[0], shard.group)
             assert len(key) == len(whole.store.key(hashes[0]))
@@ -133,8 +134,9 @@ def test_a_layout_reading_its_own_blocks_pays_what_one_value_a_block_did(
         client.config_resetstat()
         assert two[0][0].manager().lookup(hashes) == 3
         # every worker's value of each block, in one script call (an engine kept by
-        # rank asked each worker's keys, a call each)
-        assert calls(client) == {"evalsha": 1, "getrange": 3 * workers}
+        # rank asked each worker's keys, a call each), which also reads the groupings
+        # written (where none but this one was, a walk that stops is final)
+        assert calls(client) == {"evalsha": 1, "getrange": 3 * workers, "smembers": 1}
         assert one_value_a_block == {"evalsha": 1, "getrange": 3}
     assert header_size(1) == HEADER_SIZE
 
@@ -208,11 +210,51 @@ def test_replicated_heads_are_written_once_and_read_by_all(redis_server: RedisSe
     for store, shard in zip(stores[::2], shards[::2], strict=True):
         rows = [memoryview(v) for v in per_head[shard.first]]
         store.write_blocks(RemoteLoadStoreSpec(hashes), rows)
-    assert client.dbsize() == 2 * len(hashes)  # one copy of each head
+    assert client.dbsize() == 2 * len(hashes) + 1  # one copy of each head, the grouping
     for store, shard in zip(stores, shards, strict=True):
         rows = [bytearray(64) for _ in hashes]
         store.read_blocks(RemoteLoadStoreSpec(hashes), [memoryview(r) for r in rows])
         assert [bytes(r) for r in rows] == per_head[shard.first]
+
+
+def lookup_trips(store: HeadKeyedStore, hashes: list[BlockHash]) -> tuple[int, int]:
+    """(blocks found, round trips taken) of one lookup of `hashes`."""
+    before = store.lookup_round_trips
+    found = store.try_count_prefixes([hashes])
+    assert found is not None
+    return found[0], store.lookup_round_trips - before
+
+
+def test_a_walk_that_stops_is_final_where_no_other_grouping_was_written(
+    redis_server: RedisServer,
+) -> None:
+    """One round trip for a lookup that stops (a cold prompt, a partial hit) while only
+    this layout ever wrote; a second one, to the other groupings, once another wrote."""
+    hashes, data = blocks(4)
+    two, one = engine(redis_server.url, 2), engine(redis_server.url, 1)
+    assert lookup_trips(head_store(two), hashes) == (0, 1)  # nothing written at all
+    write(two, hashes[:2], data[:2])
+    assert lookup_trips(head_store(two), hashes) == (2, 1)
+    write(one, hashes[2:3], data[2:3])  # another grouping writes a block
+    assert lookup_trips(head_store(two), hashes) == (3, 4)  # found there, walked on there
+    assert lookup_trips(head_store(two), hashes[3:]) == (0, 2)
+
+
+def test_a_lost_groupings_set_comes_back_with_the_next_stores(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Evicted (or a restarted Redis): the next store names its grouping again, so a
+    block of another layout is found again (a grouping named is asked at most every
+    REGISTER_EVERY_S per writer)."""
+    monkeypatch.setattr("kvtier.remote.head_keys.REGISTER_EVERY_S", 0.0)
+    hashes, data = blocks(2)
+    two, one = engine(redis_server.url, 2), engine(redis_server.url, 1)
+    write(one, hashes[:1], data[:1])
+    client = redis_server.client()
+    client.delete(head_store(one)._base + b"groupings")
+    assert lookup_trips(head_store(two), hashes) == (0, 1)  # not known to be anywhere
+    write(one, hashes[1:], data[1:])
+    assert lookup_trips(head_store(two), hashes) == (2, 3)
 
 
 def test_whole_block_calls_cut_and_join_the_heads(redis_server: RedisServer) -> None:

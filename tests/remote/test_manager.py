@@ -371,6 +371,29 @@ def test_questions_asked_during_a_round_trip_share_the_next_one() -> None:
         lookups.close()
 
 
+def test_questions_held_go_out_together_when_the_hold_ends() -> None:
+    """One request's walk: its first question would go out alone and the rest of the
+    prompt a round trip later (two round trips before a slow Redis's hit is known)."""
+    store = _BlockingStore()
+    store.release.set()
+    lookups = AsyncLookups(cast(Any, store), None)
+    try:
+        with lookups.held():
+            assert [lookups.lookup([h]) for h in H[:3]] == [None] * 3
+            with lookups.held():  # nested: sent only when the outer one ends
+                assert lookups.lookup(H[3:4]) is None
+            assert not store.started.is_set()  # nothing sent while held
+        assert lookups.wait(timeout=30)
+        assert store.calls == [[1, 1, 1, 1]]
+        with lookups.held():  # someone waiting for an answer: what is held goes now
+            assert lookups.lookup(H[4:5]) is None
+            assert lookups.wait(timeout=30)
+            assert lookups.lookup(H[4:5]) == 0
+        assert store.calls == [[1, 1, 1, 1], [1]]
+    finally:
+        lookups.close()
+
+
 class _CountingStore:
     """A `try_count_prefixes` that answers each question with `answer` and counts calls."""
 

@@ -69,7 +69,8 @@ def test_an_engine_reads_the_blocks_of_another_parallel_layout(
     keys = keys_of(3)
     writer.compute([0, 1, 2], seed=writers)
     assert not writer.store(keys, [0, 1, 2])
-    assert redis.client().dbsize() == 3 * writers  # one value per block and worker
+    # one value per block and worker, and the set naming the writer's grouping
+    assert redis.client().dbsize() == 3 * writers + 1
 
     reader = engine(engines, redis.url, readers)
     assert found(reader, keys) == [True] * 3
@@ -115,7 +116,7 @@ def test_heads_every_worker_holds_are_written_once_and_read_by_all(
         writer.pages[1][layer].copy_(writer.pages[0][layer])
     keys = keys_of(2)
     assert not writer.store(keys, [0, 1])
-    assert redis.client().dbsize() == 2  # one copy
+    assert redis.client().dbsize() == 2 + 1  # one copy, and the grouping named
     stored = [worker.remote_tier.stats.stored_blocks for worker in writer.workers]
     assert stored == [2, 0]  # written once: the second worker sends nothing
     for readers in (1, 2):

@@ -307,3 +307,23 @@ def test_the_answers_of_requests_that_went_on_without_them_still_count(
     assert scan(reader, other, told_prompt(reader, other, "next")) == 0
     assert cost.hit_share("redis") == pytest.approx(1 - CostConfig().smoothing)  # one miss
     assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
+
+
+def test_a_prompts_lookups_take_one_round_trip_held_for_its_walk(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    """vLLM walks a prompt's keys in one call; the connector holds their Redis questions
+    until the walk ends, so they share one round trip (the first went out alone, and the
+    rest a round trip later: 0.4 s before a hit was known through a link adding 0.2 s)."""
+    server, proxy = redis_proxy
+    _, reader, all_keys = writer_and_reader(engines, server, proxy)
+    recompute_per_block(reader, 10.0)
+    remote = reader.manager.remote
+    proxy.reshape(LinkProfile.round_trip(SLOW))  # a first question sent alone stays out
+    remote.take_lookup_seconds()
+    ctx = ReqContext(req_id="held")
+    with reader.manager.held_lookups():
+        assert scan(reader, all_keys[:4], ctx) is None
+    assert reader.manager.wait_lookups(timeout=30)
+    assert len(remote.take_lookup_seconds()) == 1  # one round trip, every key in it
+    assert scan(reader, all_keys[:4], ctx) == 4

@@ -16,8 +16,13 @@ range (GETRANGE; one GETRANGE where the range follows the header), verified head
 A lookup walks the engine's own grouping first (one round trip, as before: the prefix
 script over the same number of keys); where it stops, one round trip asks which
 grouping holds that block whole (for a question of one block, as vLLM asks, that is its
-answer), and the walk goes on in that grouping. So a cold prompt costs a second (short)
-round trip, and a block of another layout one more at most. The scheduler's store
+answer), and the walk goes on in that grouping. Writers name their grouping in a set
+(`GROUPINGS_KEY`, refreshed every REGISTER_EVERY_S while they store) that the walk reads
+in its own round trip: where no other grouping was ever written, a walk that stops is
+final, and a cold prompt costs one round trip (a second one, which asked every grouping
+whether it held the block, doubled every slow Redis lookup: 0.4 s through a link adding
+0.2 s); where one was, it costs a second (short) round trip, and a block of another
+layout one more at most. The scheduler's store
 remembers where its lookups found blocks of another layout (`holders_of`) and the load
 spec carries it to the workers, which read there first: a block of another layout costs
 its worker one round trip, as a GET of its own does, not a GET that misses and then the
@@ -40,20 +45,29 @@ that order, so only engines that cut their pages the same way share.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
+from redis.exceptions import RedisError
+
 from kvtier.remote.head_codec import GroupCodec, HeadGroup, group_sizes, grouping, header_size
 from kvtier.remote.redis_store import _REFUSED, Payload, RedisBlockStore
 from kvtier.remote.remote_config import RemoteConfig
 from kvtier.validate import positive_int
 
+# the set naming every grouping (heads a value) writers of this model's layout used,
+# under the store's key base; refreshed by each writer at most this often
+GROUPINGS_KEY = b"groupings"
+REGISTER_EVERY_S = 10.0
 MAX_HEADS = 1 << 16  # a value's head count is two bytes of its header
 MAX_HOLDERS = 1 << 16  # blocks whose grouping a lookup remembers for the loads
 _PREFIX_BYTES = 32  # what a lookup compares (`head_codec`)
+
+log = logging.getLogger(__name__)
 
 
 class HeadKeyedStore(RedisBlockStore):
@@ -73,6 +87,7 @@ class HeadKeyedStore(RedisBlockStore):
     # blocks recent lookups found whole in another grouping: heads a value (`holders_of`)
     _holders: OrderedDict[bytes, int]
     _holders_lock: threading.Lock
+    _registered: dict[int, float]  # groupings this store named in GROUPINGS_KEY, and when
 
     @classmethod
     def connect_heads(
@@ -99,6 +114,7 @@ class HeadKeyedStore(RedisBlockStore):
         store._groups = {}
         store.sizes = group_sizes(heads, group_heads)
         store._holders, store._holders_lock = OrderedDict(), threading.Lock()
+        store._registered = {}
         return store
 
     def group_store(self, group: HeadGroup) -> RedisBlockStore:
@@ -139,10 +155,12 @@ class HeadKeyedStore(RedisBlockStore):
         block whole (that read is its lookup: a question of one block, as vLLM's are, is
         answered there) and walk on in it from the next block (see the module docstring).
         The blocks found in another grouping are remembered for the loads (`holders_of`)."""
-        found = self._walk(self.group_heads, [(q, 0) for q in questions], salt)
+        found, written = self._walk_own([(q, 0) for q in questions], salt)
         if self._holders:  # found in this engine's grouping now: read there
             self._forget_holders([h for q, n in zip(questions, found, strict=True) for h in q[:n]])
         pending = [i for i, q in enumerate(questions) if found[i] < len(q)]
+        if written is not None and not written & set(self.sizes) - {self.group_heads}:
+            return found  # no other grouping was ever written: where the walk stops, none
         while pending:
             holders = self._whole_at([questions[i][found[i]] for i in pending], salt)
             walked = []
@@ -168,6 +186,22 @@ class HeadKeyedStore(RedisBlockStore):
     ) -> list[int]:
         """For each (question, start): how many blocks from `start` on have every group of
         `size` heads there, in one round trip."""
+        return self._walk_and(size, starts, salt, False)[0]
+
+    def _walk_own(
+        self, starts: list[tuple[Sequence[bytes], int]], salt: str | None
+    ) -> tuple[list[int], set[int] | None]:
+        """`_walk` in this engine's grouping, and the groupings ever written (None: not
+        known), read in the same round trip where another grouping is possible."""
+        return self._walk_and(self.group_heads, starts, salt, len(self.sizes) > 1)
+
+    def _walk_and(
+        self,
+        size: int,
+        starts: list[tuple[Sequence[bytes], int]],
+        salt: str | None,
+        groupings: bool,
+    ) -> tuple[list[int], set[int] | None]:
         groups = [self.group_store(g) for g in grouping(self.heads, size)]
         keys, expected = [], []
         for question, start in starts:
@@ -175,12 +209,32 @@ class HeadKeyedStore(RedisBlockStore):
             per_group = [g._keys(hashes, salt) for g in groups]
             keys.append([k for block in zip(*per_group, strict=True) for k in block])
             expected.append([g.codec.expected_prefix(h) for h in hashes for g in groups])
-        answers = self._walk_prefixes(keys, expected)
+        members_of = self._base + GROUPINGS_KEY if groupings else None
+        answers, members = self._walk_prefixes_and(keys, expected, members_of)
         for (question, start), (items, stopper) in zip(starts, answers, strict=True):
             if stopper:  # present but refused: say why
                 block, group = divmod(items, len(groups))
                 self._count_refused(groups[group].codec, question[start + block], stopper)
-        return [items // len(groups) for items, _ in answers]
+        written = None
+        if members is not None:
+            written = {int(m) for m in members if m.isdigit()}
+        return [items // len(groups) for items, _ in answers], written
+
+    def _register(self, heads: int) -> None:
+        """Name the grouping of `heads` heads a value in GROUPINGS_KEY (at most once every
+        REGISTER_EVERY_S, before the values: a reader that sees a value sees its grouping,
+        and a set lost to eviction or a restart comes back with the next stores). A
+        failure is left for the next store to mend: the values are what matter."""
+        now = time.monotonic()
+        last = self._registered.get(heads)
+        if last is not None and now - last < REGISTER_EVERY_S:
+            return
+        try:
+            self.client.sadd(self._base + GROUPINGS_KEY, str(heads))
+        except (RedisError, OSError) as exc:
+            log.debug("remote tier: naming grouping %d failed: %s", heads, exc)
+            return
+        self._registered[heads] = now
 
     def _whole_at(self, block_hashes: list[bytes], salt: str | None) -> list[int | None]:
         """For each block, the first grouping (in `sizes` order) whose every group is
@@ -275,6 +329,8 @@ class HeadKeyedStore(RedisBlockStore):
     ) -> bool:
         """Each block's `group` heads as one value (one round trip); False if any write
         may have failed."""
+        if block_hashes and not self.breaker.rejecting():
+            self._register(group.count)
         return self.group_store(group).store(block_hashes, values, salt)
 
     def load_group(

@@ -33,7 +33,13 @@ from kvtier.remote.breaker import BreakerState, CircuitBreaker
 from kvtier.remote.codec import HEADER_SIZE, BlockCodec, DecodeStatus
 from kvtier.remote.remote_config import NotAClusterError, RedisClient, RemoteConfig, make_client
 from kvtier.remote.remote_stats import RemoteCounters, RemoteStats
-from kvtier.remote.wire import PREFIX_LUA, ValueBuffers, buffered_sets, send_sets
+from kvtier.remote.wire import (
+    PREFIX_LUA,
+    PREFIX_MEMBERS_LUA,
+    ValueBuffers,
+    buffered_sets,
+    send_sets,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,8 +79,12 @@ class RedisBlockStore:
         self._base = f"{config.key_prefix}:{codec.fp_digest[:8].hex()}:".encode()
         self._namespaces: dict[str | None, bytes] = {}
         self._buffers = ValueBuffers()
+        one_node = isinstance(client, redis.Redis)
         self._prefix_script: Script | None = (
-            client.register_script(PREFIX_LUA) if isinstance(client, redis.Redis) else None
+            client.register_script(PREFIX_LUA) if one_node else None
+        )
+        self._members_script: Script | None = (
+            client.register_script(PREFIX_MEMBERS_LUA) if one_node else None
         )
 
     @classmethod
@@ -296,29 +306,41 @@ class RedisBlockStore:
         expected bytes, and the header of the value that stopped the walk (b"" if absent
         or none did): one round trip (the lookup script for one question on one node,
         else a pipeline). Unguarded: the caller guards it."""
+        return self._walk_prefixes_and(keys, expected, None)[0]
+
+    def _walk_prefixes_and(
+        self, keys: list[list[bytes]], expected: list[list[bytes]], members_of: bytes | None
+    ) -> tuple[list[tuple[int, bytes]], set[bytes] | None]:
+        """`_walk_prefixes`, and the members of the set `members_of` (None: not asked, or
+        no set reply) read in the same round trip."""
         self.lookup_round_trips += 1
-        script = self._prefix_script
+        script = self._prefix_script if members_of is None else self._members_script
         if script is not None and len(keys) == 1 and len(keys[0]) > 1:
+            on = keys[0] if members_of is None else [*keys[0], members_of]
             try:
-                num_hits, stopper = script(keys=keys[0], args=expected[0])
+                num_hits, stopper, *more = script(keys=on, args=expected[0])
             except ResponseError as exc:  # a server without scripting: pipeline for good
                 log.warning(
                     "remote tier %s: lookup script refused (%s); pipelining", self._where(), exc
                 )
-                self._prefix_script = None
+                self._prefix_script = self._members_script = None
             else:
-                return [(int(num_hits), bytes(stopper))]
+                members = _members(more[0]) if more else None
+                return [(int(num_hits), bytes(stopper))], members
         pipe = self.client.pipeline(transaction=False)
         for question in keys:
             for key in question:
                 pipe.getrange(key, 0, HEADER_SIZE - 1)
+        if members_of is not None:
+            pipe.smembers(members_of)
         replies = pipe.execute(raise_on_error=False)  # a key of another type: refused, below
+        members = _members(replies.pop()) if members_of is not None else None
         answers, start = [], 0
         for question_expected in expected:
             end = start + len(question_expected)
             answers.append(_prefix_of(question_expected, replies[start:end]))
             start = end
-        return answers
+        return answers, members
 
     def _pipeline_get(self, keys: list[bytes]) -> list[Any]:
         """MGET on one node (one command to pack and one reply to parse, not N);
@@ -413,3 +435,11 @@ def _auth_error(config: RemoteConfig, exc: BaseException) -> RemoteStartupError:
         f"remote tier {config.redacted_url()} refused our credentials ({exc}); "
         "check the password in the URL or RemoteConfig.password"
     )
+
+
+def _members(reply: object) -> set[bytes] | None:
+    """A set's members from SMEMBERS (a set, or a script's list), None for anything else
+    (an error: the set holds another type, or the call failed)."""
+    if isinstance(reply, set | list):
+        return {bytes(m) for m in reply}
+    return None

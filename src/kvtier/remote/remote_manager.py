@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from kvtier.offload.abstract import (
@@ -113,6 +114,11 @@ class RemoteOffloadingManager(OffloadingManager):
         if self._async is not None:
             return self._async.lookup(hashes)
         return self.store.count_prefix(hashes, self.salt)
+
+    def held_lookups(self) -> AbstractContextManager[None]:
+        """Asynchronous lookups asked inside go out together when it ends (see
+        `AsyncLookups.held`); nothing changes for synchronous ones."""
+        return self._async.held() if self._async is not None else nullcontext()
 
     def peek_lookup(self, block_hashes: Sequence[BlockHash]) -> int | None:
         """An asynchronous lookup's answer if it is in, without taking it or asking."""

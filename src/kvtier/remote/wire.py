@@ -33,6 +33,25 @@ end
 return {#KEYS, ''}
 """
 
+# PREFIX_LUA over every key but the last, and the members of the set named by the last
+# (`head_keys.GROUPINGS_KEY`), in the same call
+PREFIX_MEMBERS_LUA = """
+local members = redis.pcall('SMEMBERS', KEYS[#KEYS])
+if type(members) ~= 'table' or members.err then
+  members = false
+end
+for i = 1, #KEYS - 1 do
+  local header = redis.pcall('GETRANGE', KEYS[i], 0, 47)
+  if type(header) ~= 'string' then
+    return {i - 1, 'not a string value', members}
+  end
+  if string.sub(header, 1, 32) ~= ARGV[i] then
+    return {i - 1, header, members}
+  end
+end
+return {#KEYS - 1, '', members}
+"""
+
 
 # Rows at least this large go to the socket as they are; smaller ones are joined
 # with their neighbours (a syscall per tiny row costs more than copying it).

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,14 +174,17 @@ class KvtierConnector(OffloadingConnector):
     ) -> tuple[int | None, bool]:
         """Tells kvtier's manager the request's length before vLLM walks its keys: what
         a Redis lookup could save (and so how long it may hold the request) is then
-        known at the first key, not after a whole pass deferred to a later step."""
-        note = getattr(self.connector_scheduler, "manager", None)
-        note = getattr(note, "note_prompt", None)
+        known at the first key, not after a whole pass deferred to a later step. The
+        walk's Redis lookups go out together, in one round trip (`held_lookups`)."""
+        manager = getattr(self.connector_scheduler, "manager", None)
+        note = getattr(manager, "note_prompt", None)
         if note is not None:
             note(request.request_id, request.num_tokens)
-        matched: tuple[int | None, bool] = super().get_num_new_matched_tokens(
-            request, num_computed_tokens
-        )
+        hold = getattr(manager, "held_lookups", None)
+        with nullcontext() if hold is None else hold():  # the walk's lookups in one trip
+            matched: tuple[int | None, bool] = super().get_num_new_matched_tokens(
+                request, num_computed_tokens
+            )
         return matched
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

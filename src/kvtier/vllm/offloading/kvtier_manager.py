@@ -37,6 +37,7 @@ import logging
 import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -332,6 +333,12 @@ class KvtierOffloadingManager(OffloadingManager):
         if self.cost is not None:
             for tokens, seconds in steps:
                 self.cost.observe_step(tokens, seconds)
+
+    def held_lookups(self) -> AbstractContextManager[None]:
+        """The Redis lookups of one request's walk, sent together when it ends (one
+        round trip for the whole prompt: `AsyncLookups.held`)."""
+        hold = getattr(self.remote, "held_lookups", None)
+        return nullcontext() if hold is None else cast(AbstractContextManager[None], hold())
 
     def wait_lookups(self, timeout: float | None = None) -> bool:
         """Block (up to `timeout`) until the Redis tier's lookups in flight are answered."""

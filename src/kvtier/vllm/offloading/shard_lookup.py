@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any, cast
 
 from kvtier.offload.abstract import LoadStoreSpec, OffloadingEvent, OffloadingManager
@@ -50,6 +51,16 @@ class EveryShardLookup(OffloadingManager):
                 self._answers.popitem(last=False)
             return None
         return min(a for a in answers if a is not None)
+
+    @contextmanager
+    def held_lookups(self) -> Iterator[None]:
+        """Every worker's lookups asked inside go out together when it ends."""
+        with ExitStack() as stack:
+            for manager in self._managers:
+                hold = getattr(manager, "held_lookups", None)
+                if hold is not None:
+                    stack.enter_context(hold())
+            yield
 
     def wait_lookups(self, timeout: float | None = None) -> bool:
         """Block (up to `timeout` in all) until every worker's asynchronous lookups have
