@@ -145,9 +145,10 @@ def _run_side(
     # vLLM's stats reach the frontend asynchronously: let one more interval pass
     time.sleep(1.5)
     after = kvtier_counters(server.get("/metrics"))
+    # counters as what the run added; the cost model's estimates as they stood at its end
     tiers = {
         tier: {
-            name: value - before.get(tier, {}).get(name, 0.0)
+            name: value if name.startswith("cost_") else value - before.get(tier, {}).get(name, 0.0)
             for name, value in figures.items()
             if not name.startswith(("capacity", "used", "breaker", "lookup_seconds"))
         }
@@ -155,7 +156,10 @@ def _run_side(
     }  # fmt: skip
     failed = [a.error for a in answers if not a.ok]
     if failed:
-        raise RuntimeError(f"{server.url}: {len(failed)} requests failed, first: {failed[0]}")
+        raise RuntimeError(
+            f"{server.url}: {len(failed)} requests failed, first: {failed[0]}; the "
+            f"server's log ends:\n{server.log_tail()}"
+        )
     return LoadSummary.of(answers), tiers
 
 

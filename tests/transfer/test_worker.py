@@ -16,10 +16,13 @@ from kvtier.offload.mediums import CPULoadStoreSpec
 from kvtier.remote.kv_store import LoadGuard
 from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.store.memory import MemoryStore
+from kvtier.store.protocol import BlockLoadError
 from kvtier.transfer import device
 from kvtier.transfer.device import coalesce_runs
+from kvtier.transfer.handlers import StagedHandler
 from kvtier.transfer.transfer_worker import TransferWorker
 from tests.transfer.helpers import (
+    CROSS_LAYER,
     LAYOUTS,
     PER_LAYER,
     DictStore,
@@ -370,6 +373,41 @@ def test_a_load_given_up_at_its_deadline_never_reaches_the_engine() -> None:
     assert block_bytes(kv, 3) == before
     assert block_bytes(kv, 2) == block_bytes(kv, 0)
     assert any("given up" in error for _, error in worker.errors)
+
+
+class GuardingStore(DictStore):
+    """A medium that copies a load under its spec's guard itself, as the Redis tier's do."""
+
+    copies_under_guard = True
+
+    def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
+        guard = getattr(spec, "guard", None)
+        assert guard is not None
+        self.read_into = [bytes(b) == bytes(len(b)) for b in blocks]  # a fresh row is zeros
+        with guard.copying("a test load"):
+            super().read_blocks(spec, blocks)
+
+
+def test_a_medium_that_copies_under_the_guard_loads_straight_into_the_engine() -> None:
+    """No staging rows, and no second copy of every byte, where the medium itself keeps
+    a given-up load's bytes out of the engine's blocks; a medium that does not (the
+    disk) still reads into staging rows (test above)."""
+    kv = random_kv(CROSS_LAYER, num_blocks=4, seed=9)
+    store = GuardingStore(CROSS_LAYER)
+    handler = StagedHandler(kv, store)
+    handler.store(np.array([0]), hashes(1), None)
+    before = block_bytes(kv, 3)
+    given_up, kept = hashes(1), hashes(1)
+    given_up.guard = LoadGuard()  # type: ignore[attr-defined]
+    given_up.guard.abandon()  # type: ignore[attr-defined]
+    kept.guard = LoadGuard()  # type: ignore[attr-defined]
+    with pytest.raises(BlockLoadError, match="given up"):
+        handler.load(given_up, np.array([3]))
+    assert block_bytes(kv, 3) == before
+    handler.load(kept, np.array([2]))
+    assert block_bytes(kv, 2) == block_bytes(kv, 0)
+    assert store.read_into == [False]  # the engine's block, not a fresh staging row
+    assert handler.staging_bytes == 0
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,9 @@ class HeadShardKVStore:
     """One worker's heads of the shared tier as a data-plane `BlockStore`: a row of
     `layout` is the worker's heads one after the other (`shard.count` equal runs)."""
 
+    # a load's copy into the engine's memory runs under its spec's guard (`read_blocks`)
+    copies_under_guard = True
+
     def __init__(self, store: HeadKeyedStore, layout: KVLayout, shard: HeadShard) -> None:
         if shard.total != store.heads:
             raise ValueError(f"a shard of {shard.total} heads over a store of {store.heads}")

@@ -67,6 +67,9 @@ def _bytes_view(block: memoryview) -> memoryview:
 
 
 class RedisKVStore:
+    # a load's copy into the engine's memory runs under its spec's guard (`read_blocks`)
+    copies_under_guard = True
+
     def __init__(self, store: RedisBlockStore, layout: KVLayout) -> None:
         if store.codec.fp_digest != fingerprint_digest(layout.fingerprint):
             raise LayoutMismatchError(
