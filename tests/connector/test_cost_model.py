@@ -182,28 +182,3 @@ def test_a_lookup_whose_first_block_was_found_is_waited_for_its_whole_saving() -
     assert cost.lookup_too_slow("redis", 10)  # a chance of a hit: not worth 20 ms
     assert cost.wait_budget_s("redis", 10, found=True) == pytest.approx(0.08)
     assert not cost.lookup_too_slow("redis", 10, found=True)  # a hit: worth it
-
-
-def test_a_lookup_is_worth_what_the_run_it_is_expected_to_find_saves() -> None:
-    """A conversation's next turn finds its history, not its new part: the blocks asked
-    past the runs found (the tail) are not a saving, whatever the prompt's length."""
-    cost = model()
-    cost.observe_step(TOKENS * 10, 0.18)  # 18 ms a block
-    cost.observe_round_trip("redis", 0.2)
-    cost.observe_load("redis", 32, 0.2 + 32 * 0.001)  # 1 ms a block past the round trip
-    assert cost.expected_run("redis", 32) == 32  # no run seen: every block asked
-    assert cost.wait_budget_s("redis", 32) == pytest.approx(32 * 0.018 - 0.232)
-    cost.observe_run("redis", 16, 32)  # a second turn: its first turn found, 16 new
-    cost.observe_run("redis", 0, 32)  # found nothing: no run, no tail
-    cost.observe_run("redis", 5, 4)  # more found than asked: not a sample
-    assert cost.gauges()["cost_lookup_tail_blocks", "redis"] == 16
-    assert cost.expected_run("redis", 32) == 16
-    assert cost.expected_run("redis", 10) == 0
-    # 16 blocks: 0.288 s to recompute, 0.216 s to load: less than the round trip waited
-    assert cost.wait_budget_s("redis", 32) == pytest.approx(16 * 0.018 - 0.216)
-    assert cost.lookup_too_slow("redis", 32)
-    # a third turn's 33 blocks of history are worth the wait
-    assert not cost.lookup_too_slow("redis", 49)
-    assert cost.wait_budget_s("redis", 10) == 0.0
-    cost.observe_run("redis", 32, 48)
-    assert cost.expected_run("redis", 48) == pytest.approx(48 - 16)

@@ -101,7 +101,7 @@ class TierCost:
         self.round_trip = MovingAverage(weight)
         self.block_seconds = MovingAverage(weight)
 
-    def seconds(self, num_blocks: float) -> float | None:
+    def seconds(self, num_blocks: int) -> float | None:
         """Predicted seconds to load `num_blocks`, or None if never measured."""
         rtt, per_block = self.round_trip.value, self.block_seconds.value
         if rtt is None and per_block is None:
@@ -121,9 +121,6 @@ class CostModel:
         self.token_seconds = MovingAverage(config.smoothing)  # recompute, per token
         # per tier: the share of requests whose first block asked of it was there
         self.lookup_hits: dict[str, MovingAverage] = {}
-        # per tier: of the requests that found their first block there, the blocks asked
-        # past the run found (a prompt's new part: what no tier holds)
-        self.lookup_tails: dict[str, MovingAverage] = {}
         # (tier, "load" | "recompute") -> blocks decided that way
         self.decisions: Counter[tuple[str, str]] = Counter()
         self._declined_runs: Counter[str] = Counter()  # since the tier's last probe
@@ -156,30 +153,6 @@ class CostModel:
             share.value = 1.0
         share.add(1.0 if found else 0.0)
 
-    def observe_run(self, tier: str, found_blocks: int, asked_blocks: int) -> None:
-        """A request's whole answer from `tier`: the run of `found_blocks` of the
-        `asked_blocks` it asked (from its first block not in a faster tier), where it
-        found any."""
-        if found_blocks < 1 or asked_blocks < found_blocks:
-            return
-        tail = self.lookup_tails.get(tier)
-        if tail is None:
-            tail = self.lookup_tails[tier] = MovingAverage(self.config.smoothing)
-        tail.add(float(asked_blocks - found_blocks))
-
-    def expected_run(self, tier: str, num_blocks: int) -> float:
-        """Blocks a lookup of `num_blocks` is expected to find, where it finds any: the
-        blocks less the moving tail past the runs found (all of them until a run was
-        seen). A conversation's next turn or a question on a shared document finds its
-        history and not its new part, whose length does not grow with the history:
-        a lookup of a long prompt is worth more than one of a short prompt by more than
-        their ratio (through a link adding 0.2 s a round trip, on a model that computes a
-        block in 18 ms, waiting to load a 32-block prompt's 16-block history cost more
-        than recomputing it, and a 49-block prompt's 32-block history saved 10%)."""
-        tail = self.lookup_tails.get(tier)
-        past = 0.0 if tail is None or tail.value is None else tail.value
-        return max(num_blocks - past, 0.0)
-
     def hit_share(self, tier: str) -> float:
         """The moving share of requests whose first lookup of `tier` found a block, from
         a prior of 1 (a tier never asked is assumed to have what is asked: each miss
@@ -197,11 +170,11 @@ class CostModel:
 
     # --- predictions and decisions ------------------------------------------
 
-    def recompute_seconds(self, num_blocks: float) -> float | None:
+    def recompute_seconds(self, num_blocks: int) -> float | None:
         per_token = self.token_seconds.value
         return None if per_token is None else num_blocks * self.tokens_per_block * per_token
 
-    def load_seconds(self, tier: str, num_blocks: float) -> float | None:
+    def load_seconds(self, tier: str, num_blocks: int) -> float | None:
         cost = self.tiers.get(tier)
         return None if cost is None else cost.seconds(num_blocks)
 
@@ -233,10 +206,10 @@ class CostModel:
 
     def wait_budget_s(self, tier: str, num_blocks: int, found: bool = False) -> float:
         """The longest a request should wait for `tier`'s lookup of `num_blocks`: what the
-        lookup is expected to save, what loading the run it is expected to find saves
-        (`expected_run`: recomputing it, less loading it) times the share of lookups
-        that find anything (`hit_share`); 0 once loading it would not pay,
-        `unmeasured_wait_s` before the engine computed anything.
+        lookup is expected to save, what it could save at best (recomputing them, less
+        loading them) times the share of lookups that find anything (`hit_share`); 0
+        once loading them would not pay, `unmeasured_wait_s` before the engine computed
+        anything.
 
         Expected, not best: with no reuse (every prompt new) a lookup that could save a
         whole prefill finds nothing, and waiting for it each time would make every
@@ -247,13 +220,10 @@ class CostModel:
         chance, and the share does not apply."""
         if self.config.mode == "always":
             return math.inf
-        run = self.expected_run(tier, num_blocks)
-        recompute = self.recompute_seconds(run)
+        recompute = self.recompute_seconds(num_blocks)
         if recompute is None:
             return self.config.unmeasured_wait_s
-        if run <= 0:
-            return 0.0
-        load = self.load_seconds(tier, run) or 0.0
+        load = self.load_seconds(tier, num_blocks) or 0.0
         share = 1.0 if found else self.hit_share(tier)
         return max(recompute - load, 0.0) * share
 
@@ -308,9 +278,6 @@ class CostModel:
         for name, share in self.lookup_hits.items():
             if share.value is not None:
                 out["cost_lookup_hit_share", name] = share.value
-        for name, tail in self.lookup_tails.items():
-            if tail.value is not None:
-                out["cost_lookup_tail_blocks", name] = tail.value
         per_block = self.recompute_seconds(1)
         if per_block is not None:
             out["cost_recompute_block_seconds", "engine"] = per_block

@@ -109,12 +109,6 @@ _METRICS = (
         "lookup is expected to save, and so how long a request waits for it, scales by it).",
     ),
     TierMetric(
-        "cost_lookup_tail_blocks",
-        "gauge",
-        "Moving count of the blocks a request asked of the tier past the run it found "
-        "there (its new part): a lookup is expected to find the blocks asked less this.",
-    ),
-    TierMetric(
         "cost_recompute_block_seconds",
         "gauge",
         "Moving estimate of recomputing one block of tokens on this engine (tier=engine).",

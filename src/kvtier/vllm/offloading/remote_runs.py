@@ -46,7 +46,6 @@ class LookupPlan:
     waiting_since: float | None = None
     end: int | None = None
     observed: bool = False  # its first Redis answer went into the tier's hit share
-    run_observed: bool = False  # its whole Redis run went into the tier's tail estimate
     # positions whose decision is counted (`decided`): vLLM asks a waiting request
     # again on every step it cannot schedule it, and each pass decides again
     counted: set[int] = field(default_factory=set)
@@ -139,9 +138,6 @@ class RemoteRuns:
         for attempt in (0, 1):
             ahead, pending = self._known_run(plan, pos)
             self._observe_first(plan, pos)
-            if not pending and not plan.run_observed:
-                plan.run_observed = True
-                cost.observe_run("redis", ahead, plan.blocks_left(pos))
             self.tier_stats.pull_lookup_seconds()  # the round trips so far, for the estimate
             # (a run declined with every answer in counts toward the tier's next probe)
             if ahead and (
