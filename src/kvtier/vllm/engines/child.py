@@ -141,7 +141,8 @@ def _corrupt_redis(url: str, pattern: str) -> None:
 
     client = redis.Redis.from_url(url)
     try:
-        for key in client.scan_iter(match=pattern, count=1000):
+        # (string values only: the layout's set naming its groupings shares the prefix)
+        for key in client.scan_iter(match=pattern, count=1000, _type="string"):
             value = client.get(key)
             if isinstance(value, bytes) and value:
                 client.setrange(key, len(value) - 1, bytes([value[-1] ^ 0xFF]))
