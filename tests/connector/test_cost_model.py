@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from kvtier.connector.cost_model import MIN_DEADLINE_S, PROBE_EVERY, CostConfig, CostModel
+from kvtier.connector.cost_model import (
+    MAX_PREFETCH_BLOCKS,
+    MIN_DEADLINE_S,
+    PROBE_EVERY,
+    CostConfig,
+    CostModel,
+)
 
 TOKENS = 32  # per block
 
@@ -182,3 +188,49 @@ def test_a_lookup_whose_first_block_was_found_is_waited_for_its_whole_saving() -
     assert cost.lookup_too_slow("redis", 10)  # a chance of a hit: not worth 20 ms
     assert cost.wait_budget_s("redis", 10, found=True) == pytest.approx(0.08)
     assert not cost.lookup_too_slow("redis", 10, found=True)  # a hit: worth it
+
+
+def test_a_lookup_carries_blocks_while_carrying_them_costs_under_half_its_round_trip() -> None:
+    cost = model()
+    assert cost.prefetch_blocks("redis") == 0  # nothing measured: headers only
+    cost.observe_round_trip("redis", 0.2)
+    assert cost.prefetch_blocks("redis") == 0  # a block's carrying not measured yet
+    cost.observe_load("redis", 10, 0.2 + 10 * 0.004)  # 4 ms a block past the round trip
+    assert cost.prefetch_blocks("redis") == 25  # 25 * 4 ms = half of 0.2 s
+    assert cost.transfer_seconds("redis", 5) == pytest.approx(0.02)
+    fast = model()
+    fast.observe_round_trip("redis", 0.001)
+    fast.observe_load("redis", 10, 0.001 + 10 * 0.004)
+    assert fast.prefetch_blocks("redis") == 0  # a round trip is cheaper than a block
+    free = model()
+    free.observe_round_trip("redis", 0.2)
+    free.observe_load("redis", 10, 0.1)  # faster than a round trip: no transfer seen
+    assert free.prefetch_blocks("redis") == MAX_PREFETCH_BLOCKS
+
+
+def test_blocks_a_lookup_carried_load_for_nothing() -> None:
+    cost = model()
+    cost.observe_step(TOKENS * 10, 0.1)  # 10 ms a block to recompute
+    cost.observe_round_trip("redis", 0.2)
+    cost.observe_load("redis", 10, 0.2 + 10 * 0.002)
+    assert cost.load_seconds("redis", 16, prefetched=16) == 0.0
+    assert cost.load_seconds("redis", 16, prefetched=10) == pytest.approx(0.2 + 6 * 0.002)
+    assert not cost.worth_loading("redis", 16)  # 0.232 s against 0.16 s
+    assert cost.worth_loading("redis", 16, prefetched=16)
+    assert not cost.worth_loading("redis", 16, prefetched=10)  # a round trip all the same
+
+
+def test_a_lookup_that_carries_its_run_is_waited_for_as_long_as_the_recompute() -> None:
+    """Through a link adding 0.2 s, a 16-block history that recomputes in 0.32 s: waiting
+    for a lookup and then a load (0.4 s) loses, waiting for a lookup that carries the
+    blocks (0.2 s) wins."""
+    cost = model()
+    cost.observe_step(TOKENS * 10, 0.2)  # 20 ms a block
+    cost.observe_round_trip("redis", 0.2)
+    assert cost.lookup_too_slow("redis", 16)  # 0.32 - 0.2 s to save: not worth 0.2 s
+    cost.observe_load("redis", 16, 0.2 + 16 * 0.001)
+    assert cost.prefetch_blocks("redis") == 100
+    assert cost.wait_budget_s("redis", 16) == pytest.approx(0.32)
+    assert not cost.lookup_too_slow("redis", 16)
+    # past what a lookup carries, the rest costs a round trip of its own
+    assert cost.wait_budget_s("redis", 116) == pytest.approx(116 * 0.02 - 0.2 - 16 * 0.001)

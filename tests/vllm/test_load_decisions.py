@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
+from kvtier.connector import cost_model
 from kvtier.connector.cost_model import CostConfig
 from kvtier.remote.shaping_proxy import LinkProfile, ShapingProxy
 from tests.remote.conftest import RedisServer, serve_redis
+from tests.remote.test_head_keys import calls
 from tests.vllm.test_offloading_spec import BLOCK_BYTES, TOKENS, Engine, engines, keys_of
 
 with_engines = engines  # the fixture, under this module's name too
@@ -327,3 +329,46 @@ def test_a_prompts_lookups_take_one_round_trip_held_for_its_walk(
     assert reader.manager.wait_lookups(timeout=30)
     assert len(remote.take_lookup_seconds()) == 1  # one round trip, every key in it
     assert scan(reader, all_keys[:4], ctx) == 4
+
+
+def test_a_run_its_lookup_carried_is_waited_for_and_loaded_without_a_round_trip(
+    engines: list[Engine],
+    redis_proxy: tuple[RedisServer, ShapingProxy],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through a link adding 0.2 s, a 4-block prompt that recomputes in 0.24 s: a lookup
+    and then a load (0.4 s) lose to recomputing, and the request does not wait; where the
+    lookup carries the blocks (`kvtier.remote.prefetch`: the scheduler and the worker in
+    one process, as an engine of one worker runs), it is waited for (0.2 s) and its load
+    reads nothing from Redis."""
+    server, proxy = redis_proxy
+    writer, reader, keys = writer_and_reader(engines, server, proxy)
+    cost = reader.manager.cost
+    assert cost is not None
+    proxy.reshape(LinkProfile.round_trip(SLOW))
+    for _ in range(40):  # what the round trips and a load through the link measure
+        cost.observe_round_trip("redis", SLOW)
+    cost.observe_load("redis", 4, SLOW + 4 * 0.002)
+    recompute_per_block(reader, 0.06)
+    monkeypatch.setattr(cost_model, "PREFETCH_SHARE", 0.0)  # lookups carry nothing
+    assert cost.prefetch_blocks("redis") == 0
+    assert settle(reader, keys[:4], told_prompt(reader, keys[:4], "headers")) == 0
+    assert decided(reader, "recompute") == 4
+    monkeypatch.undo()
+    assert cost.prefetch_blocks("redis") == 50
+    ctx = told_prompt(reader, keys[4:], "carried")
+    with reader.manager.held_lookups():
+        assert scan(reader, keys[4:], ctx) is None  # waits for the answer
+    assert settle(reader, keys[4:], ctx) == 4
+    assert decided(reader, "load") == 4
+    client = server.client()
+    client.config_resetstat()
+    reader.ctx = ctx
+    errors, report = reader.load(keys[4:], [8, 9, 10, 11])
+    assert not errors
+    assert [reader.block_bytes(i) for i in (8, 9, 10, 11)] == [
+        writer.block_bytes(i) for i in range(4, 8)
+    ]
+    assert calls(client) == {}  # no round trip: every block came with the lookup
+    assert [blocks for tier, blocks, _ in report.loads if tier == "redis"] == [0]
+    assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown

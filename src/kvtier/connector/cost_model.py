@@ -25,6 +25,13 @@ Until a tier or the engine has been measured at all, hits are loaded (what kvtie
 before): the first load and the first computed prompt give the estimates. `mode="always"`
 keeps loading every hit (the setting the crossover table measures against).
 
+Where a round trip costs more than carrying a block (a slow link), a lookup reads the
+first `prefetch_blocks` blocks it asks about whole (`kvtier.remote.prefetch`): carrying
+them adds at most PREFETCH_SHARE of a round trip to the lookup, and their load then costs
+none. The estimates follow: a load of blocks read whole costs nothing
+(`load_seconds(..., prefetched=)`), and a request waits for a lookup as long as the load
+after it would save, which for a run the lookup carries is the whole recompute.
+
 A tier whose loads are declined is no longer measured by them, so a disk that was slow
 for a while would be recomputed around for ever: every PROBE_EVERY-th run declined is
 loaded anyway (`probe`), and its load refreshes the estimate. A probe costs at most a
@@ -51,6 +58,10 @@ MIN_DEADLINE_S = 0.25
 Mode = Literal["measured", "always"]
 # every this many runs of a tier declined, one is loaded to measure the tier again
 PROBE_EVERY = 32
+# a lookup reads blocks whole while carrying them costs at most this share of its round
+# trip, and at most MAX_PREFETCH_BLOCKS (`prefetch_blocks`)
+PREFETCH_SHARE = 0.5
+MAX_PREFETCH_BLOCKS = 128
 
 
 @dataclass(frozen=True)
@@ -174,16 +185,45 @@ class CostModel:
         per_token = self.token_seconds.value
         return None if per_token is None else num_blocks * self.tokens_per_block * per_token
 
-    def load_seconds(self, tier: str, num_blocks: int) -> float | None:
+    def load_seconds(self, tier: str, num_blocks: int, prefetched: int = 0) -> float | None:
+        """Predicted seconds to load `num_blocks` from `tier`, the first `prefetched` of
+        which a lookup read whole (they cost nothing, and a load of only those no round
+        trip); None where the tier was never measured."""
         cost = self.tiers.get(tier)
-        return None if cost is None else cost.seconds(num_blocks)
+        if cost is None:
+            return None
+        if 0 < num_blocks <= prefetched:
+            return 0.0
+        return cost.seconds(num_blocks - max(prefetched, 0))
 
-    def worth_loading(self, tier: str, num_blocks: int) -> bool:
-        """Whether loading `num_blocks` from `tier` is predicted faster than recomputing
-        them (always, in mode "always" or before either side was measured)."""
+    def prefetch_blocks(self, tier: str) -> int:
+        """How many blocks a lookup of `tier` reads whole (see the module docstring): as
+        many as carrying costs at most PREFETCH_SHARE of a round trip; 0 until both are
+        measured."""
+        cost = self.tiers.get(tier)
+        if cost is None:
+            return 0
+        rtt, per_block = cost.round_trip.value, cost.block_seconds.value
+        if rtt is None or per_block is None:
+            return 0
+        if per_block <= 0:
+            return MAX_PREFETCH_BLOCKS
+        return min(int(PREFETCH_SHARE * rtt / per_block + 1e-9), MAX_PREFETCH_BLOCKS)
+
+    def transfer_seconds(self, tier: str, num_blocks: int) -> float:
+        """What carrying `num_blocks` of `tier` takes past the round trip (0 unmeasured)."""
+        cost = self.tiers.get(tier)
+        per_block = None if cost is None else cost.block_seconds.value
+        return num_blocks * (per_block or 0.0)
+
+    def worth_loading(self, tier: str, num_blocks: int, prefetched: int = 0) -> bool:
+        """Whether loading `num_blocks` from `tier` (the first `prefetched` of them read
+        whole by their lookup) is predicted faster than recomputing them (always, in mode
+        "always" or before either side was measured)."""
         if self.config.mode == "always" or num_blocks < 1:
             return True
-        load, recompute = self.load_seconds(tier, num_blocks), self.recompute_seconds(num_blocks)
+        load = self.load_seconds(tier, num_blocks, prefetched)
+        recompute = self.recompute_seconds(num_blocks)
         if load is None or recompute is None:
             return True
         return load < recompute
@@ -207,9 +247,9 @@ class CostModel:
     def wait_budget_s(self, tier: str, num_blocks: int, found: bool = False) -> float:
         """The longest a request should wait for `tier`'s lookup of `num_blocks`: what the
         lookup is expected to save, what it could save at best (recomputing them, less
-        loading them) times the share of lookups that find anything (`hit_share`); 0
-        once loading them would not pay, `unmeasured_wait_s` before the engine computed
-        anything.
+        loading them after it, `prefetch_blocks` of them carried by it) times the share
+        of lookups that find anything (`hit_share`); 0 once loading them would not pay,
+        `unmeasured_wait_s` before the engine computed anything.
 
         Expected, not best: with no reuse (every prompt new) a lookup that could save a
         whole prefill finds nothing, and waiting for it each time would make every
@@ -223,7 +263,9 @@ class CostModel:
         recompute = self.recompute_seconds(num_blocks)
         if recompute is None:
             return self.config.unmeasured_wait_s
-        load = self.load_seconds(tier, num_blocks) or 0.0
+        # the load after the lookup: of the blocks it does not carry (`prefetch_blocks`)
+        carried = min(num_blocks, self.prefetch_blocks(tier))
+        load = self.load_seconds(tier, num_blocks, carried) or 0.0
         share = 1.0 if found else self.hit_share(tier)
         return max(recompute - load, 0.0) * share
 

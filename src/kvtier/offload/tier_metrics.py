@@ -93,6 +93,12 @@ _METRICS = (
         "first decision, however often the engine asks again).",
     ),
     TierMetric(
+        "prefetched_blocks",
+        "counter",
+        "Blocks Redis lookups read whole for a load in this process, where a round trip "
+        "costs more than carrying them: their load takes no round trip (tier=redis).",
+    ),
+    TierMetric(
         "cost_round_trip_seconds",
         "gauge",
         "Moving estimate of a load's (and a lookup's) round trip to the tier.",

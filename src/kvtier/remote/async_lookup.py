@@ -23,6 +23,12 @@ slow Redis's hit is known: 0.4 s through a link adding 0.2 s). Inside `held()` (
 connector holds them for one request's walk) questions are only queued, and go out
 together when it ends, or when someone waits for an answer (`wait`).
 
+Where a round trip costs more than carrying a block (a slow link), the thread reads the
+first blocks of a round trip whole (`fetch_blocks`, set by the connector from its cost
+estimates; `prefetch`), so that a load that follows in this process costs no second one.
+The time spent carrying them is not the round trip's (`fetch_seconds`): the estimate of a
+round trip stays that of the lookups that read headers only.
+
 An answer nobody collected (the request went away first) is not handed out later: one
 older than `max_age_s` is asked again, since the blocks may have been stored or evicted
 since (a stale hit costs a failed load, a stale miss a recompute).
@@ -74,6 +80,10 @@ class AsyncLookups:
         self._lock = threading.Lock()
         self._held = 0  # depth of `held()`: while > 0, questions wait to be sent together
         self._unsent = False  # a question was queued and no send submitted for it yet
+        # how many blocks a round trip reads whole, and what carrying n of them adds to
+        # it (see the module docstring); none without them
+        self.fetch_blocks: Callable[[], int] | None = None
+        self.fetch_seconds: Callable[[int], float] = lambda n: 0.0
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -142,18 +152,29 @@ class AsyncLookups:
             if future.set_running_or_notify_cancel():  # False: forgotten, never sent
                 batches.setdefault(salt, []).append((hashes, future))
         for salt, batch in batches.items():
+            fetch = self.fetch_blocks() if self.fetch_blocks is not None else 0
             started = time.perf_counter()
             trips_before = getattr(self.store, "lookup_round_trips", 0)
+            fetched_before = getattr(self.store, "fetched_blocks", 0)
+            questions = [h for h, _ in batch]
             try:
-                found = self.store.try_count_prefixes([h for h, _ in batch], salt)
+                if fetch > 0:
+                    found = self.store.try_count_prefixes(questions, salt, fetch=fetch)
+                else:
+                    found = self.store.try_count_prefixes(questions, salt)
             except Exception as exc:  # a bug: each question's answer raises it
                 for _, future in batch:
                     future.set_exception(exc)
                 continue
             # one round trip's seconds (a lookup of blocks another layout wrote takes
-            # more than one; the estimate is of the one a load pays)
+            # more than one; the estimate is of the one a load pays), less the carrying
+            # of the blocks read whole
+            seconds = time.perf_counter() - started
+            fetched = getattr(self.store, "fetched_blocks", 0) - fetched_before
+            if fetched:
+                seconds = max(seconds - self.fetch_seconds(fetched), 0.0)
             trips = getattr(self.store, "lookup_round_trips", 0) - trips_before
-            self._seconds.append((time.perf_counter() - started) / max(trips, 1))
+            self._seconds.append(seconds / max(trips, 1))
             answers: list[int | None] = [None] * len(batch) if found is None else [*found]
             answered_at = self._clock()
             for (_, future), answer in zip(batch, answers, strict=True):

@@ -136,26 +136,30 @@ class HeadKeyedStore(RedisBlockStore):
     # -- lookups -------------------------------------------------------------------------
 
     def try_count_prefix(
-        self, block_hashes: Sequence[bytes], salt: str | None = None
+        self, block_hashes: Sequence[bytes], salt: str | None = None, fetch: int = 0
     ) -> int | None:
-        found = self.try_count_prefixes([block_hashes], salt)
+        found = self.try_count_prefixes([block_hashes], salt, fetch)
         return None if found is None else found[0]
 
     def try_count_prefixes(
-        self, questions: Sequence[Sequence[bytes]], salt: str | None = None
+        self, questions: Sequence[Sequence[bytes]], salt: str | None = None, fetch: int = 0
     ) -> list[int] | None:
-        call = partial(self._count_prefixes, questions, salt)
+        call = partial(self._count_prefixes, questions, salt, fetch)
         found: list[int] | None = self._guarded("lookup", call, None)
         hits = 0 if found is None else sum(found)
         self._counters.add(lookups=len(questions), lookup_hit_blocks=hits)
         return found
 
-    def _count_prefixes(self, questions: Sequence[Sequence[bytes]], salt: str | None) -> list[int]:
+    def _count_prefixes(
+        self, questions: Sequence[Sequence[bytes]], salt: str | None, fetch: int = 0
+    ) -> list[int]:
         """Walk this engine's grouping; where a walk stops, find which grouping holds that
         block whole (that read is its lookup: a question of one block, as vLLM's are, is
         answered there) and walk on in it from the next block (see the module docstring).
-        The blocks found in another grouping are remembered for the loads (`holders_of`)."""
-        found, written = self._walk_own([(q, 0) for q in questions], salt)
+        The blocks found in another grouping are remembered for the loads (`holders_of`).
+        `fetch`: the first that many blocks of the own walk are read whole where a load
+        here would read them as they are (one value a block, `prefetch`)."""
+        found, written = self._walk_own([(q, 0) for q in questions], salt, fetch)
         if self._holders:  # found in this engine's grouping now: read there
             self._forget_holders([h for q, n in zip(questions, found, strict=True) for h in q[:n]])
         pending = [i for i, q in enumerate(questions) if found[i] < len(q)]
@@ -189,11 +193,11 @@ class HeadKeyedStore(RedisBlockStore):
         return self._walk_and(size, starts, salt, False)[0]
 
     def _walk_own(
-        self, starts: list[tuple[Sequence[bytes], int]], salt: str | None
+        self, starts: list[tuple[Sequence[bytes], int]], salt: str | None, fetch: int = 0
     ) -> tuple[list[int], set[int] | None]:
         """`_walk` in this engine's grouping, and the groupings ever written (None: not
         known), read in the same round trip where another grouping is possible."""
-        return self._walk_and(self.group_heads, starts, salt, len(self.sizes) > 1)
+        return self._walk_and(self.group_heads, starts, salt, len(self.sizes) > 1, fetch)
 
     def _walk_and(
         self,
@@ -201,8 +205,11 @@ class HeadKeyedStore(RedisBlockStore):
         starts: list[tuple[Sequence[bytes], int]],
         salt: str | None,
         groupings: bool,
+        fetch: int = 0,
     ) -> tuple[list[int], set[int] | None]:
         groups = [self.group_store(g) for g in grouping(self.heads, size)]
+        if len(groups) > 1:
+            fetch = 0  # a load here reads one value a block (an engine of one worker)
         keys, expected = [], []
         for question, start in starts:
             hashes = question[start:]
@@ -210,7 +217,8 @@ class HeadKeyedStore(RedisBlockStore):
             keys.append([k for block in zip(*per_group, strict=True) for k in block])
             expected.append([g.codec.expected_prefix(h) for h in hashes for g in groups])
         members_of = self._base + GROUPINGS_KEY if groupings else None
-        answers, members = self._walk_prefixes_and(keys, expected, members_of)
+        fetch = groups[0]._fetchable(fetch)
+        answers, members = self._walk_prefixes_and(keys, expected, members_of, fetch)
         for (question, start), (items, stopper) in zip(starts, answers, strict=True):
             if stopper:  # present but refused: say why
                 block, group = divmod(items, len(groups))
@@ -219,6 +227,12 @@ class HeadKeyedStore(RedisBlockStore):
         if members is not None:
             written = {int(m) for m in members if m.isdigit()}
         return [items // len(groups) for items, _ in answers], written
+
+    def prefetched_count(self, block_hashes: Sequence[bytes], salt: str | None = None) -> int:
+        if self.group_heads != self.heads:
+            return 0  # never read whole: a worker here loads part of each block
+        whole = self.group_store(HeadGroup(0, self.heads))
+        return whole.prefetched_count(block_hashes, salt)
 
     def _register(self, heads: int) -> None:
         """Name the grouping of `heads` heads a value in GROUPINGS_KEY (at most once every

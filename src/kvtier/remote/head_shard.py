@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.remote.head_codec import HeadGroup
 from kvtier.remote.head_keys import MAX_HEADS, HeadKeyedStore
-from kvtier.remote.kv_store import LoadGuard, RemoteStoreError, remote_spec
+from kvtier.remote.kv_store import LoadGuard, RemoteStoreError, remote_spec, serve_prefetched
 from kvtier.store.layout import KVLayout
 from kvtier.store.protocol import BlockLoadError, holding
 from kvtier.validate import positive_int
@@ -91,6 +91,8 @@ class HeadShardKVStore:
         self.store = store
         self.shard = shard
         self._layout = layout
+        if shard.count == shard.total:  # whole blocks: a lookup here may read them whole
+            serve_prefetched(self, store.group_store(shard.group))
 
     @property
     def layout(self) -> KVLayout:

@@ -11,6 +11,7 @@ that is missing, corrupt or foreign raises `BlockLoadError` after being counted
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -62,6 +63,13 @@ def remote_spec(spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> RemoteLoad
     return spec
 
 
+def serve_prefetched(owner: object, store: RedisBlockStore) -> None:
+    """Tell this process's lookups that `store`'s values (whole blocks) are loaded here,
+    for as long as `owner` lives (`prefetch`)."""
+    store.prefetched.serve(store._base)
+    weakref.finalize(owner, store.prefetched.unserve, store._base)
+
+
 def _bytes_view(block: memoryview) -> memoryview:
     return block if block.format == "B" and block.ndim == 1 else block.cast("B")
 
@@ -78,6 +86,7 @@ class RedisKVStore:
             )
         self.store = store
         self._layout = layout
+        serve_prefetched(self, store)
 
     @property
     def layout(self) -> KVLayout:

@@ -31,6 +31,7 @@ from redis.exceptions import AuthenticationError, OutOfMemoryError, RedisError, 
 
 from kvtier.remote.breaker import BreakerState, CircuitBreaker
 from kvtier.remote.codec import HEADER_SIZE, BlockCodec, DecodeStatus
+from kvtier.remote.prefetch import PREFETCHED, PrefetchedValues
 from kvtier.remote.remote_config import NotAClusterError, RedisClient, RemoteConfig, make_client
 from kvtier.remote.remote_stats import RemoteCounters, RemoteStats
 from kvtier.remote.wire import (
@@ -76,9 +77,12 @@ class RedisBlockStore:
         # lookup round trips made so far: a lookup may take several (another layout's
         # values, see head_keys), and the cost model's estimate is of one
         self.lookup_round_trips = 0
+        self.fetched_blocks = 0  # values lookups read whole (`prefetch`), so far
         self._base = f"{config.key_prefix}:{codec.fp_digest[:8].hex()}:".encode()
         self._namespaces: dict[str | None, bytes] = {}
         self._buffers = ValueBuffers()
+        # values lookups read whole, for this process's loads (`prefetch`)
+        self.prefetched: PrefetchedValues = PREFETCHED
         one_node = isinstance(client, redis.Redis)
         self._prefix_script: Script | None = (
             client.register_script(PREFIX_LUA) if one_node else None
@@ -163,16 +167,17 @@ class RedisBlockStore:
         return 0 if found is None else found
 
     def try_count_prefix(
-        self, block_hashes: Sequence[bytes], salt: str | None = None
+        self, block_hashes: Sequence[bytes], salt: str | None = None, fetch: int = 0
     ) -> int | None:
         """`count_prefix`, or None when the server gave no answer (the call failed, or
         the breaker refused it): a caller that can ask again later tells "not known"
-        from "not there" (`async_lookup`)."""
+        from "not there" (`async_lookup`). `fetch`: read up to that many of the first
+        blocks found whole, for a load in this process (`prefetch`)."""
         if not block_hashes:
             return 0
         keys = self._keys(block_hashes, salt)
         expected = [self.codec.expected_prefix(h) for h in block_hashes]
-        call = partial(self._walk_prefixes, [keys], [expected])
+        call = partial(self._walk_prefixes, [keys], [expected], self._fetchable(fetch))
         found: list[tuple[int, bytes]] | None = self._guarded("lookup", call, None)
         if found is None:
             self._counters.add(lookups=1)
@@ -180,23 +185,35 @@ class RedisBlockStore:
         return self._counted(block_hashes, *found[0])
 
     def try_count_prefixes(
-        self, questions: Sequence[Sequence[bytes]], salt: str | None = None
+        self, questions: Sequence[Sequence[bytes]], salt: str | None = None, fetch: int = 0
     ) -> list[int] | None:
         """`try_count_prefix` of each prefix, all in one round trip (a pipeline of header
         reads), or None when the server gave no answer. vLLM asks block by block, so the
         lookups one scheduler step starts cost one round trip, not one each: on a busy
-        machine each round trip waits its turn for the CPU (the server's and this one's)."""
+        machine each round trip waits its turn for the CPU (the server's and this one's).
+        `fetch`: the first that many blocks asked (in order) are read whole where found
+        (`prefetch`)."""
         if len(questions) == 1:
-            found = self.try_count_prefix(questions[0], salt)
+            found = self.try_count_prefix(questions[0], salt, fetch)
             return None if found is None else [found]
         keys = [self._keys(q, salt) for q in questions]
         expected = [[self.codec.expected_prefix(h) for h in q] for q in questions]
-        call = partial(self._walk_prefixes, keys, expected)
+        call = partial(self._walk_prefixes, keys, expected, self._fetchable(fetch))
         answers: list[tuple[int, bytes]] | None = self._guarded("lookup", call, None)
         if answers is None:
             self._counters.add(lookups=len(questions))
             return None
         return [self._counted(q, *a) for q, a in zip(questions, answers, strict=True)]
+
+    def _fetchable(self, fetch: int) -> int:
+        """`fetch` where a worker in this process loads this store's values, else 0."""
+        return fetch if fetch > 0 and self.prefetched.serves(self._base) else 0
+
+    def prefetched_count(self, block_hashes: Sequence[bytes], salt: str | None = None) -> int:
+        """How many of the blocks a lookup read whole and a load here would take."""
+        if not block_hashes or not len(self.prefetched):
+            return 0
+        return self.prefetched.count(self._keys(block_hashes, salt))
 
     def _counted(self, block_hashes: Sequence[bytes], num_hits: int, stopper: bytes) -> int:
         """Count one answered lookup (and why a present block was refused)."""
@@ -249,7 +266,7 @@ class RedisBlockStore:
         if not block_hashes:
             return []
         keys = self._keys(block_hashes, salt)
-        values = self._guarded("load", lambda: self._pipeline_get(keys), None)
+        values = self._read_values(keys)
         if values is None:
             return [None] * len(keys)
         out: list[memoryview | None] = []
@@ -273,6 +290,24 @@ class RedisBlockStore:
         if refused_keys:  # never served again: drop them now
             self._guarded("delete", lambda: self.client.delete(*refused_keys), 0)
         return out
+
+    def _read_values(self, keys: list[bytes]) -> list[Any] | None:
+        """Each key's value: those a lookup read whole (`prefetch`) from here, the rest
+        in one round trip (none where every one was read); None where the server gave
+        no answer."""
+        held: list[Any] = self.prefetched.take(keys) if len(self.prefetched) else [None] * len(keys)
+        missing = [i for i, value in enumerate(held) if value is None]
+        if len(missing) < len(keys):
+            self._counters.add(prefetch_loaded_blocks=len(keys) - len(missing))
+        if not missing:
+            return held
+        asked = [keys[i] for i in missing]
+        values = self._guarded("load", lambda: self._pipeline_get(asked), None)
+        if values is None:
+            return None
+        for i, value in zip(missing, values, strict=True):
+            held[i] = value
+        return held
 
     def holders_of(self, block_hashes: Sequence[bytes]) -> list[int] | None:
         """Where a load should read each block first, if this store keeps blocks in
@@ -300,22 +335,27 @@ class RedisBlockStore:
         return other
 
     def _walk_prefixes(
-        self, keys: list[list[bytes]], expected: list[list[bytes]]
+        self, keys: list[list[bytes]], expected: list[list[bytes]], fetch: int = 0
     ) -> list[tuple[int, bytes]]:
         """For each question (a run of keys), how many leading values start with their
         expected bytes, and the header of the value that stopped the walk (b"" if absent
         or none did): one round trip (the lookup script for one question on one node,
-        else a pipeline). Unguarded: the caller guards it."""
-        return self._walk_prefixes_and(keys, expected, None)[0]
+        else a pipeline). Unguarded: the caller guards it. `fetch`: the first that many
+        keys are read whole, and those found kept for a load (`prefetch`)."""
+        return self._walk_prefixes_and(keys, expected, None, fetch)[0]
 
     def _walk_prefixes_and(
-        self, keys: list[list[bytes]], expected: list[list[bytes]], members_of: bytes | None
+        self,
+        keys: list[list[bytes]],
+        expected: list[list[bytes]],
+        members_of: bytes | None,
+        fetch: int = 0,
     ) -> tuple[list[tuple[int, bytes]], set[bytes] | None]:
         """`_walk_prefixes`, and the members of the set `members_of` (None: not asked, or
         no set reply) read in the same round trip."""
         self.lookup_round_trips += 1
         script = self._prefix_script if members_of is None else self._members_script
-        if script is not None and len(keys) == 1 and len(keys[0]) > 1:
+        if script is not None and not fetch and len(keys) == 1 and len(keys[0]) > 1:
             on = keys[0] if members_of is None else [*keys[0], members_of]
             try:
                 num_hits, stopper, *more = script(keys=on, args=expected[0])
@@ -328,19 +368,33 @@ class RedisBlockStore:
                 members = _members(more[0]) if more else None
                 return [(int(num_hits), bytes(stopper))], members
         pipe = self.client.pipeline(transaction=False)
+        left = fetch
         for question in keys:
             for key in question:
-                pipe.getrange(key, 0, HEADER_SIZE - 1)
+                if left > 0:
+                    pipe.get(key)
+                    left -= 1
+                else:
+                    pipe.getrange(key, 0, HEADER_SIZE - 1)
         if members_of is not None:
             pipe.smembers(members_of)
         replies = pipe.execute(raise_on_error=False)  # a key of another type: refused, below
         members = _members(replies.pop()) if members_of is not None else None
         answers, start = [], 0
-        for question_expected in expected:
+        for question, question_expected in zip(keys, expected, strict=True):
             end = start + len(question_expected)
-            answers.append(_prefix_of(question_expected, replies[start:end]))
+            found, stopper = _prefix_of(question_expected, replies[start:end])
+            answers.append((found, stopper))
+            if start < fetch:  # values read whole: kept for the load of those found
+                self._keep_fetched(question[: min(found, fetch - start)], replies[start:end])
             start = end
         return answers, members
+
+    def _keep_fetched(self, keys: list[bytes], values: list[Any]) -> None:
+        kept = sum(self.prefetched.put(k, v) for k, v in zip(keys, values, strict=False))
+        self.fetched_blocks += len(keys)
+        if kept:
+            self._counters.add(prefetched_blocks=kept)
 
     def _pipeline_get(self, keys: list[bytes]) -> list[Any]:
         """MGET on one node (one command to pack and one reply to parse, not N);
@@ -401,7 +455,7 @@ def _prefix_of(expected: Sequence[bytes], replies: list[Any]) -> tuple[int, byte
         if not prefix:
             return i, b""
         if prefix[: len(want)] != want:
-            return i, bytes(prefix)
+            return i, bytes(prefix[:HEADER_SIZE])  # (a value read whole: its header)
     return len(expected), b""
 
 

@@ -26,7 +26,7 @@ contents (and the byte counters) behave as they would with real KV bytes.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -71,6 +71,9 @@ class RemoteLoadStoreSpec(LoadStoreSpec):
         # kept by head: `HeadKeyedStore.holders_of`); it orders the reads, and a wrong
         # one costs a round trip, never a block (every read is verified the same way)
         self.holders = holders
+        # blocks of it a lookup read whole, which the load takes from this process
+        # (`prefetch`): a load's time is its other blocks' (the cost model's estimate)
+        self.prefetched = 0
         # a load's `kv_store.LoadGuard`, set where the bytes move (a worker with a deadline)
         self.guard: Any = None
         # a store's copy of its blocks in host memory, set where the bytes move (the
@@ -128,6 +131,16 @@ class RemoteOffloadingManager(OffloadingManager):
         """Block until asynchronous lookups have answers; True at once when synchronous."""
         return self._async.wait(timeout) if self._async is not None else True
 
+    def fetch_with(self, blocks: Callable[[], int], seconds: Callable[[int], float]) -> None:
+        """Have asynchronous lookups read the first `blocks()` blocks of a round trip whole,
+        carrying n of them taking `seconds(n)` (`AsyncLookups.fetch_blocks`, `prefetch`)."""
+        if self._async is not None:
+            self._async.fetch_blocks, self._async.fetch_seconds = blocks, seconds
+
+    def prefetched(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of the blocks a lookup read whole for a load here (`prefetch`)."""
+        return self.store.prefetched_count(block_hashes, self.salt)
+
     def take_lookup_seconds(self) -> list[float]:
         """Seconds of each asynchronous lookup's round trip since the last call."""
         return self._async.take_seconds() if self._async is not None else []
@@ -146,6 +159,7 @@ class RemoteOffloadingManager(OffloadingManager):
         self.salt = salt
         if self._async is not None:
             self._async.reset(salt)
+        self.store.prefetched.clear()
         self._loading.clear()
         self._storing.clear()
         return []
@@ -155,7 +169,9 @@ class RemoteOffloadingManager(OffloadingManager):
         self._loading.update(hashes)
         if self._synthetic is not None:
             self.store.load(hashes, self.salt)
-        return RemoteLoadStoreSpec(hashes, self.salt, self.store.holders_of(hashes))
+        spec = RemoteLoadStoreSpec(hashes, self.salt, self.store.holders_of(hashes))
+        spec.prefetched = self.prefetched(hashes)
+        return spec
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         hashes = block_hash_list("complete_load", block_hashes)

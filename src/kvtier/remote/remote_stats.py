@@ -25,6 +25,8 @@ class RemoteStats:
     full_refusals: int = 0  # writes a full server refused (noeviction); also in errors
     skipped_calls: int = 0  # refused by the open breaker
     breaker_opened: int = 0
+    prefetched_blocks: int = 0  # values lookups read whole for a load here (`prefetch`)
+    prefetch_loaded_blocks: int = 0  # loads served from those, without a round trip
 
 
 class RemoteCounters:

@@ -39,6 +39,7 @@ from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -233,6 +234,11 @@ class KvtierOffloadingManager(OffloadingManager):
                 remote, cost, self.tier_stats, self._found, self._remember, lambda: self.clock()
             )
         )
+        fetch_with = getattr(remote, "fetch_with", None)
+        if cost is not None and fetch_with is not None:  # a slow Redis's lookups carry blocks
+            fetch_with(
+                partial(cost.prefetch_blocks, "redis"), partial(cost.transfer_seconds, "redis")
+            )
 
     def _tier(self, name: str) -> KvtierManager:
         manager = self.local if name == LOCAL else self.remote

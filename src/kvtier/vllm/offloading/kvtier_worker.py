@@ -99,11 +99,13 @@ def _own(part: Part, **state: Any) -> Part:
 def _timed_blocks(part: Part) -> int:
     """The blocks a load part's time is the transfer of: a cascade load that reads the
     disk is timed as the disk's (`_medium_of`), and its CPU blocks cost next to nothing
-    beside a file read, so the disk's estimate is per block read from disk."""
+    beside a file read, so the disk's estimate is per block read from disk; 0: nothing
+    to time."""
     spec = part.spec
     if isinstance(spec, CascadeLoadSpec) and spec.disk_positions:
         return len(spec.disk_positions)
-    return len(part.block_hashes)
+    # a Redis load's blocks that its lookup read whole (`prefetch`) cost no transfer
+    return len(part.block_hashes) - getattr(spec, "prefetched", 0)
 
 
 def _medium_of(part: Part) -> str:

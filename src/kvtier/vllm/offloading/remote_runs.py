@@ -141,7 +141,8 @@ class RemoteRuns:
             self.tier_stats.pull_lookup_seconds()  # the round trips so far, for the estimate
             # (a run declined with every answer in counts toward the tier's next probe)
             if ahead and (
-                cost.worth_loading("redis", ahead) or (not pending and cost.probe("redis"))
+                cost.worth_loading("redis", ahead, self._prefetched(plan, pos, ahead))
+                or (not pending and cost.probe("redis"))
             ):
                 plan.start = pos
                 cost.decisions["redis", "load"] += plan.decided(pos, 1)
@@ -175,6 +176,12 @@ class RemoteRuns:
             cost.decisions["redis", "recompute"] += plan.decided(pos, ahead)
             plan.declined = True
         return self._answer(block_hash, False)
+
+    def _prefetched(self, plan: LookupPlan, pos: int, num_blocks: int) -> int:
+        """How many of the run's blocks its lookup read whole (`prefetch`): a load of them
+        costs no round trip."""
+        count = getattr(self.remote, "prefetched", None)
+        return 0 if count is None else int(count(plan.keys[pos : pos + num_blocks]))
 
     def _observe_first(self, plan: LookupPlan, pos: int) -> None:
         """The request's first Redis answer, once it is in, into the tier's hit share."""

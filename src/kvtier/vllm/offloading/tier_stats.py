@@ -96,6 +96,8 @@ class TierStats:
         if self.cost is not None:
             for (tier, decision), blocks in self.cost.decisions.items():
                 totals[f"decided_{decision}_blocks", tier] += blocks
+        if self.remote is not None:  # (the scheduler's lookups carry them)
+            totals["prefetched_blocks", "redis"] += self.remote.store.stats.prefetched_blocks
         for tier in (*self.tiers, "redis"):
             totals["load_bytes", tier] = totals["load_blocks", tier] * self.block_bytes
             totals["store_bytes", tier] = totals["store_blocks", tier] * self.block_bytes
