@@ -10,6 +10,9 @@ recompute cost), then the returning prompt, in a pool too small for both: the re
 reuses blocks whose store to Redis is still in flight. Played once per session (engine
 starts are the cost).
 
+A third reader, behind a link adding 30 ms, serves a second returning prompt after the
+first: its lookup carries the blocks the load takes (`kvtier.remote.prefetch`).
+
 Times are checked against the proxy's delay only (a request that waited for the slow
 Redis took at least two seconds; the prompt's prefill takes a tenth of one), never
 against another engine's.
@@ -32,6 +35,7 @@ from kvtier.vllm.engines import (
     run_job,
 )
 from tests.remote.conftest import serve_redis
+from tests.remote.test_head_keys import calls
 from tests.vllm.conftest import EngineRuns
 from tests.vllm.engine_workloads import BLOCK, overflow_job
 from tests.vllm.test_engine_baseline import assert_same_output
@@ -51,11 +55,18 @@ CACHEABLE_TOKENS = 14 * BLOCK
 BLOCK_BYTES = MODEL.kv_bytes(BLOCK)
 
 
+# added to each round trip of the carrying reader's link: its lookup and a load (two
+# round trips) beat recomputing the prompt, so it loads and measures a block's carrying
+CARRY_S = 0.03
+
+
 @dataclass(frozen=True)
 class SlowScenario:
     writer: JobResult
     fast: JobResult
     slow: JobResult
+    carrying: JobResult
+    carrying_calls: dict[str, int]  # the Redis commands of its last round
 
 
 def _reader_rounds(cold: tuple[int, ...], prompt: tuple[int, ...]) -> tuple[Round, ...]:
@@ -64,6 +75,7 @@ def _reader_rounds(cold: tuple[int, ...], prompt: tuple[int, ...]) -> tuple[Roun
 
 def _play(model: Path, workdir: Path) -> SlowScenario:
     prompt, cold_fast, cold_slow = random_prompts(3, PROMPT_TOKENS, MODEL.vocab, seed=33)
+    cold_carrying, second = random_prompts(2, PROMPT_TOKENS, MODEL.vocab, seed=35)
     base = overflow_job(model, MODEL.vocab)
     redis_dir = workdir / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
@@ -71,21 +83,28 @@ def _play(model: Path, workdir: Path) -> SlowScenario:
     server = next(servers)
     target = ("127.0.0.1", server.port)
     slow_link = LinkProfile.round_trip(SLOW_S)
+    carrying_link = LinkProfile.round_trip(CARRY_S)
     try:
-        with ShapingProxy(target) as fast, ShapingProxy(target, slow_link) as slow:
+        with (
+            ShapingProxy(target) as fast,
+            ShapingProxy(target, slow_link) as slow,
+            ShapingProxy(target, carrying_link) as carrying,
+        ):
             writer_config = kvtier(cpu_bytes_to_use=64 * BLOCK_BYTES, redis_url=server.url)
             # vLLM submits a request's stores at the next step: two short requests after
             # it, the second after a pause, so that the store is in Redis at the exit
             flush, last = random_prompts(2, BLOCK, MODEL.vocab, seed=34)
             write = (
                 Round((prompt,), name="write"),
+                Round((second,), name="write_second"),
                 Round((flush,), max_tokens=1, name="flush"),
                 Round((last,), max_tokens=1, name="last", settle_s=2.0),
             )
             writer_job = replace(base, rounds=write, kv_transfer_config=writer_config)
             writer = run_job(writer_job, workdir=workdir)
             results = []
-            for proxy, cold in ((fast, cold_fast), (slow, cold_slow)):
+            readers = ((fast, cold_fast), (slow, cold_slow), (carrying, cold_carrying))
+            for proxy, cold in readers:
                 # long timeouts: a slow answer is late, not a failure (no breaker)
                 config = kvtier(
                     cpu_bytes_to_use=2 * BLOCK_BYTES,
@@ -97,13 +116,16 @@ def _play(model: Path, workdir: Path) -> SlowScenario:
                 # the blocks of the cold prompt, whose store is still on its way through
                 # the link (vLLM flushes it first; a Redis store copied its blocks into
                 # host memory when submitted, so that flush does not wait for Redis)
-                job: EngineJob = replace(
-                    base, rounds=_reader_rounds(cold, prompt), kv_transfer_config=config
-                )
+                rounds = _reader_rounds(cold, prompt)
+                if proxy is carrying:  # and a second returning prompt, its commands counted
+                    reset = (("redis_resetstat", server.url),)
+                    rounds += (Round((second,), name="return_second", before=reset),)
+                job: EngineJob = replace(base, rounds=rounds, kv_transfer_config=config)
                 results.append(run_job(job, workdir=workdir))
+            carrying_calls = calls(server.client())
     finally:
         next(servers, None)
-    return SlowScenario(writer, *results)
+    return SlowScenario(writer, *results, carrying_calls=carrying_calls)
 
 
 @pytest.fixture(scope="session")
@@ -138,3 +160,20 @@ def test_a_cold_prompt_does_not_wait_for_a_slow_redis(slow_scenario: SlowScenari
     (cold,) = slow_scenario.slow.round("cold")
     assert cold.num_cached_tokens == 0
     assert cold.wall_s < SLOW_S
+
+
+def test_a_lookup_in_the_engine_carries_the_blocks_its_load_takes(
+    slow_scenario: SlowScenario,
+) -> None:
+    """An engine of one worker runs the scheduler and the worker in one process, so a
+    slow link's lookups carry blocks (`kvtier.remote.prefetch`): the reader's first
+    return, loaded through a round trip of its own, measured what carrying a block costs,
+    and the second return's lookup read its blocks whole (GETs, not only headers). It is
+    loaded whole, with the writer's output."""
+    (returned,) = slow_scenario.carrying.round("return")
+    assert returned.num_cached_tokens == CACHEABLE_TOKENS
+    (second,) = slow_scenario.carrying.round("return_second")
+    assert second.num_cached_tokens == CACHEABLE_TOKENS
+    (written,) = slow_scenario.writer.round("write_second")
+    assert_same_output(second, written)
+    assert slow_scenario.carrying_calls.get("get", 0) >= 1, slow_scenario.carrying_calls

@@ -240,6 +240,8 @@ def test_redis_shared_between_engines_and_killed(engines: list[Engine], tmp_path
             reader.manager.lookup(k, reader.ctx)
         assert reader.manager.remote.wait_lookups(timeout=30)
         assert reader.hits(more) == 2
+        # (blocks the lookup carried would still load: `kvtier.remote.prefetch`)
+        reader.manager.remote.store.prefetched.clear()
         server.kill()
         errors, report = reader.load(more, [12, 13])
         assert errors == {12, 13} and report.failed_loads == [[k[:-4] for k in more]]

@@ -208,8 +208,6 @@ class HeadKeyedStore(RedisBlockStore):
         fetch: int = 0,
     ) -> tuple[list[int], set[int] | None]:
         groups = [self.group_store(g) for g in grouping(self.heads, size)]
-        if len(groups) > 1:
-            fetch = 0  # a load here reads one value a block (an engine of one worker)
         keys, expected = [], []
         for question, start in starts:
             hashes = question[start:]
@@ -217,7 +215,10 @@ class HeadKeyedStore(RedisBlockStore):
             keys.append([k for block in zip(*per_group, strict=True) for k in block])
             expected.append([g.codec.expected_prefix(h) for h in hashes for g in groups])
         members_of = self._base + GROUPINGS_KEY if groupings else None
-        fetch = groups[0]._fetchable(fetch)
+        # every group's values of the first `fetch` blocks, where each group's worker
+        # takes them (a worker loads its own heads' values)
+        served = all(g._fetchable(fetch) for g in groups)
+        fetch = fetch * len(groups) if served else 0
         answers, members = self._walk_prefixes_and(keys, expected, members_of, fetch)
         for (question, start), (items, stopper) in zip(starts, answers, strict=True):
             if stopper:  # present but refused: say why
@@ -229,10 +230,10 @@ class HeadKeyedStore(RedisBlockStore):
         return [items // len(groups) for items, _ in answers], written
 
     def prefetched_count(self, block_hashes: Sequence[bytes], salt: str | None = None) -> int:
-        if self.group_heads != self.heads:
-            return 0  # never read whole: a worker here loads part of each block
-        whole = self.group_store(HeadGroup(0, self.heads))
-        return whole.prefetched_count(block_hashes, salt)
+        """How many of the blocks a lookup read whole in every group of this engine's
+        grouping (each worker's values)."""
+        groups = grouping(self.heads, self.group_heads)
+        return min(self.group_store(g).prefetched_count(block_hashes, salt) for g in groups)
 
     def _register(self, heads: int) -> None:
         """Name the grouping of `heads` heads a value in GROUPINGS_KEY (at most once every
@@ -318,14 +319,14 @@ class HeadKeyedStore(RedisBlockStore):
         )
 
     def load(
-        self, block_hashes: Sequence[bytes], salt: str | None = None
+        self, block_hashes: Sequence[bytes], salt: str | None = None, carried: bool = False
     ) -> list[memoryview | None]:
         """Whole blocks of this engine's grouping (their groups joined), None where any
         group is not servable. (Only a worker's `load_group` reads other groupings.)"""
         groups = [self.group_store(g) for g in grouping(self.heads, self.group_heads)]
         if len(groups) == 1:
-            return groups[0].load(block_hashes, salt)
-        values = [g.load(block_hashes, salt) for g in groups]
+            return groups[0].load(block_hashes, salt, carried)
+        values = [g.load(block_hashes, salt, carried) for g in groups]
         out: list[memoryview | None] = []
         for parts in zip(*values, strict=True):
             whole = all(p is not None for p in parts)
@@ -354,6 +355,7 @@ class HeadKeyedStore(RedisBlockStore):
         head_bytes: int,
         salt: str | None = None,
         holders: Sequence[int] | None = None,
+        carried: bool = False,
     ) -> list[list[memoryview] | None]:
         """Each block's verified heads of `group` (`head_bytes` each) as the runs its
         source values hold, in head order (one run where one value holds them all), None
@@ -361,7 +363,8 @@ class HeadKeyedStore(RedisBlockStore):
         copy every byte once more. Each block's groupings are read in turn, a round trip
         per grouping for the blocks still missing: first the one the lookup found it in
         (`holders`, see `holders_of`), then this group's own values (one GET a block),
-        then the other groupings that hold these heads, fewest values first."""
+        then the other groupings that hold these heads, fewest values first. `carried`:
+        the lookup read some of this group's values whole (`prefetch`)."""
         if holders is not None and len(holders) != len(block_hashes):
             raise ValueError(f"{len(holders)} holders for {len(block_hashes)} blocks")
         own = group.count if group.first % group.count == 0 else 0
@@ -379,7 +382,7 @@ class HeadKeyedStore(RedisBlockStore):
                 hashes = [block_hashes[i] for i in ids]
                 got: list[list[memoryview] | None]
                 if size == own:
-                    loaded = self.group_store(group).load(hashes, salt)
+                    loaded = self.group_store(group).load(hashes, salt, carried)
                     got = [None if v is None else [v] for v in loaded]
                     own_missed.update(i for i, v in zip(ids, got, strict=True) if v is None)
                 else:

@@ -91,8 +91,7 @@ class HeadShardKVStore:
         self.store = store
         self.shard = shard
         self._layout = layout
-        if shard.count == shard.total:  # whole blocks: a lookup here may read them whole
-            serve_prefetched(self, store.group_store(shard.group))
+        serve_prefetched(self, store.group_store(shard.group))  # (see `prefetch`)
 
     @property
     def layout(self) -> KVLayout:
@@ -113,8 +112,9 @@ class HeadShardKVStore:
         shard = self.shard
         head_bytes = self._layout.bytes_per_block // shard.count
         holders = getattr(remote, "holders", None)  # (a spec pickled before there were any)
+        carried = getattr(remote, "prefetched", 0) > 0
         values = self.store.load_group(
-            remote.block_hashes, shard.group, head_bytes, remote.salt, holders
+            remote.block_hashes, shard.group, head_bytes, remote.salt, holders, carried
         )
         rows = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in blocks]
         for block_hash, row, runs in zip(remote.block_hashes, rows, values, strict=True):

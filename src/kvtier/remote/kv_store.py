@@ -102,7 +102,8 @@ class RedisKVStore:
         """Fill `blocks`; a load given a `guard` (an attribute of its spec, see
         `LoadGuard`) copies nothing once it was abandoned."""
         remote = remote_spec(spec, blocks)
-        payloads = self.store.load(remote.block_hashes, remote.salt)
+        carried = getattr(remote, "prefetched", 0) > 0  # (a spec pickled before there were any)
+        payloads = self.store.load(remote.block_hashes, remote.salt, carried)
         guard: LoadGuard | None = getattr(remote, "guard", None)
         if guard is None:
             self._copy(remote, payloads, blocks)

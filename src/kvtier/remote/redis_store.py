@@ -256,9 +256,10 @@ class RedisBlockStore:
         return ok
 
     def load(
-        self, block_hashes: Sequence[bytes], salt: str | None = None
+        self, block_hashes: Sequence[bytes], salt: str | None = None, carried: bool = False
     ) -> list[memoryview | None]:
         """Each block's verified bytes (zero-copy views), or None where it is not servable.
+        `carried`: the lookup read some of them whole (`prefetch`): taken from there.
 
         A corrupt value is deleted (best effort) so the next lookup stops
         before it instead of planning another failing load.
@@ -266,7 +267,7 @@ class RedisBlockStore:
         if not block_hashes:
             return []
         keys = self._keys(block_hashes, salt)
-        values = self._read_values(keys)
+        values = self._read_values(keys, carried)
         if values is None:
             return [None] * len(keys)
         out: list[memoryview | None] = []
@@ -291,11 +292,11 @@ class RedisBlockStore:
             self._guarded("delete", lambda: self.client.delete(*refused_keys), 0)
         return out
 
-    def _read_values(self, keys: list[bytes]) -> list[Any] | None:
-        """Each key's value: those a lookup read whole (`prefetch`) from here, the rest
-        in one round trip (none where every one was read); None where the server gave
-        no answer."""
-        held: list[Any] = self.prefetched.take(keys) if len(self.prefetched) else [None] * len(keys)
+    def _read_values(self, keys: list[bytes], carried: bool) -> list[Any] | None:
+        """Each key's value: those a lookup read whole (`prefetch`, where `carried`) from
+        there, the rest in one round trip (none where every one was read); None where the
+        server gave no answer."""
+        held: list[Any] = self.prefetched.take(keys) if carried else [None] * len(keys)
         missing = [i for i, value in enumerate(held) if value is None]
         if len(missing) < len(keys):
             self._counters.add(prefetch_loaded_blocks=len(keys) - len(missing))

@@ -131,8 +131,12 @@ def _inject(faults: list[list[str]]) -> None:
                     file.write(bytes([last[0] ^ 0xFF]))
         elif action == "corrupt_redis":
             _corrupt_redis(*arg.split(" ", 1))
+        elif action == "redis_resetstat":
+            _redis_resetstat(arg)
         else:
-            raise ValueError(f"unknown fault {action!r}; known: kill, corrupt, corrupt_redis")
+            raise ValueError(
+                f"unknown fault {action!r}; known: kill, corrupt, corrupt_redis, redis_resetstat"
+            )
 
 
 def _corrupt_redis(url: str, pattern: str) -> None:
@@ -146,6 +150,16 @@ def _corrupt_redis(url: str, pattern: str) -> None:
             value = client.get(key)
             if isinstance(value, bytes) and value:
                 client.setrange(key, len(value) - 1, bytes([value[-1] ^ 0xFF]))
+    finally:
+        client.close()
+
+
+def _redis_resetstat(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.config_resetstat()
     finally:
         client.close()
 

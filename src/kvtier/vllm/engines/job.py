@@ -24,7 +24,8 @@ class Round:
     # faults injected before the round, while the engine runs: ("kill", PID) sends
     # SIGKILL to a process (a Redis server), ("corrupt", GLOB) flips the last byte of
     # every file matching GLOB (disk block files), ("corrupt_redis", "URL PATTERN") the
-    # last byte of every Redis value whose key matches PATTERN
+    # last byte of every Redis value whose key matches PATTERN; ("redis_resetstat", URL)
+    # zeroes the server's command counts (what the round sends it is read after the job)
     before: tuple[tuple[str, str], ...] = ()
     # benchmarks only: idle seconds before the round, for asynchronous stores to finish
     # so that they do not share the CPU with the round's timed requests
