@@ -234,3 +234,19 @@ def test_a_lookup_that_carries_its_run_is_waited_for_as_long_as_the_recompute() 
     assert not cost.lookup_too_slow("redis", 16)
     # past what a lookup carries, the rest costs a round trip of its own
     assert cost.wait_budget_s("redis", 116) == pytest.approx(116 * 0.02 - 0.2 - 16 * 0.001)
+
+
+def test_lookups_of_blocks_stored_here_and_of_others_have_their_own_hit_shares() -> None:
+    cost = model()
+    cost.observe_step(TOKENS * 10, 1.0)  # 0.1 s a block
+    cost.observe_round_trip("redis", 0.05)
+    for _ in range(10):
+        cost.observe_lookup("redis", False)  # new prompts
+    cost.observe_lookup("redis", True, stored=True)
+    assert cost.hit_share("redis") == pytest.approx(0.8**10)
+    assert cost.hit_share("redis", stored=True) == 1.0
+    assert cost.lookup_too_slow("redis", 4)  # 0.35 s at best, times 0.11
+    assert not cost.lookup_too_slow("redis", 4, stored=True)
+    assert cost.wait_budget_s("redis", 4, stored=True) == pytest.approx(0.35)
+    gauges = cost.gauges()
+    assert gauges["cost_lookup_hit_share", "redis_stored"] == 1.0

@@ -166,6 +166,7 @@ class RemoteManagerMachine(RuleBasedStateMachine):
         self.manager = self.tier.manager(enable_events=True, synthetic_payload_bytes=16)
         self.stored: set[BlockHash] = set()
         self.storing: set[BlockHash] = set()
+        self.stored_here: set[BlockHash] = set()  # by this engine, evicted or not
 
     def teardown(self) -> None:
         self.tier.close()
@@ -203,6 +204,7 @@ class RemoteManagerMachine(RuleBasedStateMachine):
         self.storing -= set(done)
         if success:
             self.stored |= set(done)
+            self.stored_here |= set(done)
 
     @rule(block=st.sampled_from(H))
     def redis_evicts(self, block: BlockHash) -> None:
@@ -213,6 +215,10 @@ class RemoteManagerMachine(RuleBasedStateMachine):
     def nothing_unexpected_on_the_server(self) -> None:
         assert self.manager.num_in_flight[1] == len(self.storing)
         assert self.tier.stats.errors == 0
+
+    @invariant()
+    def it_knows_what_it_stored(self) -> None:
+        assert {h for h in H if self.manager.stored_here(h)} == self.stored_here
 
 
 def test_manager_against_model(redis_server: RedisServer) -> None:

@@ -372,3 +372,36 @@ def test_a_run_its_lookup_carried_is_waited_for_and_loaded_without_a_round_trip(
     assert calls(client) == {}  # no round trip: every block came with the lookup
     assert [blocks for tier, blocks, _ in report.loads if tier == "redis"] == [0]
     assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
+
+
+def test_a_prompt_this_engine_stored_is_waited_for_after_a_run_of_new_ones(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    """Two hit shares: ten new prompts in a row (misses) stop the waiting for the next
+    new one, not for a prompt whose blocks this engine stored in Redis itself (a
+    conversation's next turn after a run of new conversations)."""
+    _, proxy = redis_proxy
+    reader = Engine({"cpu_bytes_to_use": 8 * BLOCK_BYTES, "redis_url": proxy.url})
+    engines.append(reader)
+    own, newer = keys_of(8, start=700), keys_of(8, start=800)
+    reader.compute(list(range(8)), seed=4)
+    reader.store(own, list(range(8)))
+    reader.compute(list(range(8)), seed=5)
+    reader.store(newer, list(range(8)))  # the CPU tier now holds only these
+    assert reader.manager.local.lookup([k[:-4] for k in own]) == 0
+    cost = reader.manager.cost
+    assert cost is not None
+    proxy.reshape(LinkProfile.round_trip(SLOW))
+    for _ in range(40):
+        cost.observe_round_trip("redis", SLOW)
+    recompute_per_block(reader, 0.1)  # 8 blocks: 0.8 s, worth a 0.2 s wait at first
+    for i in range(10):
+        cold = keys_of(8, start=1000 + 10 * i)
+        assert settle(reader, cold, told_prompt(reader, cold, f"new-{i}")) == 0
+    assert cost.hit_share("redis") < 0.5 and cost.hit_share("redis", stored=True) == 1.0
+    cold = keys_of(8, start=2000)
+    assert scan(reader, cold, told_prompt(reader, cold, "new-last")) == 0  # no wait
+    ctx = told_prompt(reader, own, "own")
+    assert scan(reader, own, ctx) is None  # waits for Redis's answer
+    assert settle(reader, own, ctx) == 8
+    assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown

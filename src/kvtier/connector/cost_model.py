@@ -155,21 +155,28 @@ class CostModel:
         rtt = cost.round_trip.value or 0.0
         cost.block_seconds.add(max(seconds - rtt, 0.0) / num_blocks)
 
-    def observe_lookup(self, tier: str, found: bool) -> None:
+    def observe_lookup(self, tier: str, found: bool, stored: bool = False) -> None:
         """The answer to a request's first lookup of `tier` (its first block not in a
-        faster tier): whether the tier had it, so a run to load at all."""
-        share = self.lookup_hits.get(tier)
+        faster tier): whether the tier had it, so a run to load at all. `stored`: this
+        engine stored that block in the tier itself (see `hit_share`)."""
+        key = _share_key(tier, stored)
+        share = self.lookup_hits.get(key)
         if share is None:  # from a prior of 1: one miss does not stop the waiting
-            share = self.lookup_hits[tier] = MovingAverage(self.config.smoothing)
+            share = self.lookup_hits[key] = MovingAverage(self.config.smoothing)
             share.value = 1.0
         share.add(1.0 if found else 0.0)
 
-    def hit_share(self, tier: str) -> float:
+    def hit_share(self, tier: str, stored: bool = False) -> float:
         """The moving share of requests whose first lookup of `tier` found a block, from
         a prior of 1 (a tier never asked is assumed to have what is asked: each miss
         then takes `smoothing` of the share away, so about ten in a row cut the wait
-        tenfold)."""
-        share = self.lookup_hits.get(tier)
+        tenfold). Two shares: of blocks this engine stored in the tier itself
+        (`stored`), which come back unless evicted, and of the others, which only
+        another engine may have stored. Kept as one, a conversation's returning turns
+        did not wait for their history after a run of new conversations (twelve cold
+        first turns took the share to a tenth), and new prompts waited for nothing
+        after a run of returning ones."""
+        share = self.lookup_hits.get(_share_key(tier, stored))
         return 1.0 if share is None or share.value is None else share.value
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -244,7 +251,9 @@ class CostModel:
         self._declined_runs[tier] = 0
         return True
 
-    def wait_budget_s(self, tier: str, num_blocks: int, found: bool = False) -> float:
+    def wait_budget_s(
+        self, tier: str, num_blocks: int, found: bool = False, stored: bool = False
+    ) -> float:
         """The longest a request should wait for `tier`'s lookup of `num_blocks`: what the
         lookup is expected to save, what it could save at best (recomputing them, less
         loading them after it, `prefetch_blocks` of them carried by it) times the share
@@ -257,7 +266,8 @@ class CostModel:
         raises the share, and the requests wait again (the answers keep coming for the
         requests that did not wait: see `remote_runs`). `found`: the tier's answer for
         the first of the blocks is in, and it holds it: the saving is no longer a
-        chance, and the share does not apply."""
+        chance, and the share does not apply. `stored`: this engine stored the first of
+        the blocks in the tier (the share of such lookups applies, see `hit_share`)."""
         if self.config.mode == "always":
             return math.inf
         recompute = self.recompute_seconds(num_blocks)
@@ -266,7 +276,7 @@ class CostModel:
         # the load after the lookup: of the blocks it does not carry (`prefetch_blocks`)
         carried = min(num_blocks, self.prefetch_blocks(tier))
         load = self.load_seconds(tier, num_blocks, carried) or 0.0
-        share = 1.0 if found else self.hit_share(tier)
+        share = 1.0 if found else self.hit_share(tier, stored)
         return max(recompute - load, 0.0) * share
 
     def load_deadline_s(self, tier: str, num_blocks: int) -> float | None:
@@ -284,7 +294,9 @@ class CostModel:
             return max(recompute, MIN_DEADLINE_S)
         return max(recompute, 2 * load, MIN_DEADLINE_S)
 
-    def sync_wait_s(self, tier: str, num_blocks: int, waited_s: float) -> float:
+    def sync_wait_s(
+        self, tier: str, num_blocks: int, waited_s: float, stored: bool = False
+    ) -> float:
         """How long the scheduler may wait in place for `tier`'s answer to a lookup of
         (at most) `num_blocks`, already waited on for `waited_s`; 0: not at all.
 
@@ -300,14 +312,17 @@ class CostModel:
         rtt = None if cost is None else cost.round_trip.value
         if cap <= 0 or (rtt is not None and rtt > cap):
             return 0.0
-        return max(min(cap, self.wait_budget_s(tier, num_blocks) - waited_s), 0.0)
+        budget = self.wait_budget_s(tier, num_blocks, stored=stored)
+        return max(min(cap, budget - waited_s), 0.0)
 
-    def lookup_too_slow(self, tier: str, num_blocks: int, found: bool = False) -> bool:
+    def lookup_too_slow(
+        self, tier: str, num_blocks: int, found: bool = False, stored: bool = False
+    ) -> bool:
         """Whether `tier`'s lookups take longer than they could save: ask it in the
         background for later requests, and let this one go on without it."""
         cost = self.tiers.get(tier)
         rtt = None if cost is None else cost.round_trip.value
-        return rtt is not None and rtt > self.wait_budget_s(tier, num_blocks, found)
+        return rtt is not None and rtt > self.wait_budget_s(tier, num_blocks, found, stored)
 
     def gauges(self) -> dict[tuple[str, str], float]:
         """The estimates, by (metric key, tier), for `/metrics`."""
@@ -324,3 +339,8 @@ class CostModel:
         if per_block is not None:
             out["cost_recompute_block_seconds", "engine"] = per_block
         return out
+
+
+def _share_key(tier: str, stored: bool) -> str:
+    """The hit share's key (and its `/metrics` label): `tier`, or `<tier>_stored`."""
+    return f"{tier}_stored" if stored else tier

@@ -25,7 +25,7 @@ contents (and the byte counters) behave as they would with real KV bytes.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -44,6 +44,7 @@ from kvtier.types import BlockHash
 from kvtier.validate import positive_int
 
 MEDIUM = "REMOTE"
+MAX_STORED_HERE = 1 << 16  # blocks remembered as stored by this engine (`stored_here`)
 
 
 def epoch_salt(epoch: int, salt: str | None = None) -> str | None:
@@ -110,6 +111,8 @@ class RemoteOffloadingManager(OffloadingManager):
         self._storing: set[BlockHash] = set()
         self._synthetic = bytes(synthetic_payload_bytes) if synthetic_payload_bytes else None
         self._async = AsyncLookups(store, salt) if async_lookup else None
+        # blocks this engine stored, most recent last (`stored_here`)
+        self._stored: OrderedDict[BlockHash, None] = OrderedDict()
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
         """Leading blocks in Redis (one round trip); with `async_lookup`, None until known."""
@@ -141,6 +144,12 @@ class RemoteOffloadingManager(OffloadingManager):
         """How many of the blocks a lookup read whole for a load here (`prefetch`)."""
         return self.store.prefetched_count(block_hashes, self.salt)
 
+    def stored_here(self, block_hash: BlockHash) -> bool:
+        """Whether this engine stored the block (under this salt) among its last
+        MAX_STORED_HERE stores: a lookup of it most likely finds it (Redis may have
+        evicted it), where one of a block never stored here only finds another engine's."""
+        return block_hash in self._stored
+
     def take_lookup_seconds(self) -> list[float]:
         """Seconds of each asynchronous lookup's round trip since the last call."""
         return self._async.take_seconds() if self._async is not None else []
@@ -160,6 +169,7 @@ class RemoteOffloadingManager(OffloadingManager):
         if self._async is not None:
             self._async.reset(salt)
         self.store.prefetched.clear()
+        self._stored.clear()
         self._loading.clear()
         self._storing.clear()
         return []
@@ -204,6 +214,13 @@ class RemoteOffloadingManager(OffloadingManager):
         self._storing.difference_update(hashes)
         if success and self._synthetic is not None and hashes:
             success = self.store.store(hashes, [self._synthetic] * len(hashes), self.salt)
+        if success:
+            stored = self._stored
+            for h in hashes:
+                stored[h] = None
+                stored.move_to_end(h)
+            while len(stored) > MAX_STORED_HERE:
+                stored.popitem(last=False)
         if success and hashes and self._events is not None:
             self._events.append(OffloadingEvent(hashes, self.block_size, MEDIUM, removed=False))
 

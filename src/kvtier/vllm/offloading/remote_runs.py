@@ -46,6 +46,9 @@ class LookupPlan:
     waiting_since: float | None = None
     end: int | None = None
     observed: bool = False  # its first Redis answer went into the tier's hit share
+    # this engine stored the first block it asks Redis about (which hit share applies:
+    # `CostModel.hit_share`); None until that block is known
+    stored: bool | None = None
     # positions whose decision is counted (`decided`): vLLM asks a waiting request
     # again on every step it cannot schedule it, and each pass decides again
     counted: set[int] = field(default_factory=set)
@@ -87,7 +90,7 @@ def plan_of(req_context: ReqContext) -> LookupPlan:
 
 # first keys of requests that went on without their Redis answer, watched for it (the
 # hit share must see the answers of the requests that did not wait, or a share that
-# fell to 0 would never rise again)
+# fell to 0 would never rise again), with whether this engine stored them
 MAX_WATCHED = 64
 
 
@@ -111,7 +114,7 @@ class RemoteRuns:
         self._found = found
         self._remember_in = remember
         self.clock = clock
-        self._watched: OrderedDict[BlockHash, None] = OrderedDict()
+        self._watched: OrderedDict[BlockHash, bool] = OrderedDict()
 
     def _remember(self, block_hash: BlockHash) -> None:
         self._remember_in(block_hash, REMOTE)
@@ -135,6 +138,7 @@ class RemoteRuns:
                 cost.decisions["redis", "load"] += plan.decided(pos, 1)
             return self._answer(block_hash, bool(found))
         self._collect_watched()
+        stored = self._stored_here(plan, pos)
         for attempt in (0, 1):
             ahead, pending = self._known_run(plan, pos)
             self._observe_first(plan, pos)
@@ -147,7 +151,7 @@ class RemoteRuns:
                 plan.start = pos
                 cost.decisions["redis", "load"] += plan.decided(pos, 1)
                 return self._answer(block_hash, True)
-            if not (pending and attempt == 0 and self._wait_in_place(plan, pos)):
+            if not (pending and attempt == 0 and self._wait_in_place(plan, pos, stored)):
                 break
         if pending:
             now = self.clock()
@@ -158,8 +162,8 @@ class RemoteRuns:
             # before the prompt's length is known, a first pass cannot tell what the
             # lookup could save: it lists the prompt's keys and asks them all
             patient = (plan.end is None and plan.passes < 2) or not (
-                cost.lookup_too_slow("redis", blocks, found)
-                or now - plan.waiting_since > cost.wait_budget_s("redis", blocks, found)
+                cost.lookup_too_slow("redis", blocks, found, stored)
+                or now - plan.waiting_since > cost.wait_budget_s("redis", blocks, found, stored)
             )
             if patient:
                 plan.deferred = True
@@ -169,13 +173,21 @@ class RemoteRuns:
             ahead = blocks
             if not plan.observed:
                 plan.observed = True
-                self._watched[plan.keys[pos]] = None
+                self._watched[plan.keys[pos]] = stored
                 if len(self._watched) > MAX_WATCHED:
                     self._watched.popitem(last=False)
         if ahead:
             cost.decisions["redis", "recompute"] += plan.decided(pos, ahead)
             plan.declined = True
         return self._answer(block_hash, False)
+
+    def _stored_here(self, plan: LookupPlan, pos: int) -> bool:
+        """Whether this engine stored the pass's first Redis block itself (decided once a
+        request: the hit share it is judged by, `CostModel.hit_share`)."""
+        if plan.stored is None:
+            stored_here = getattr(self.remote, "stored_here", None)
+            plan.stored = bool(stored_here is not None and stored_here(plan.keys[pos]))
+        return plan.stored
 
     def _prefetched(self, plan: LookupPlan, pos: int, num_blocks: int) -> int:
         """How many of the run's blocks its lookup read whole (`prefetch`): a load of them
@@ -189,20 +201,20 @@ class RemoteRuns:
             found = plan.answers.get(plan.keys[pos])
             if found is not None:
                 plan.observed = True
-                self.cost.observe_lookup("redis", bool(found))
+                self.cost.observe_lookup("redis", bool(found), bool(plan.stored))
 
     def _collect_watched(self) -> None:
         """The answers come in for requests that went on without them (see MAX_WATCHED)."""
         peek = getattr(self.remote, "peek_lookup", None)
         if peek is None or not self._watched:
             return
-        for block_hash in list(self._watched):
+        for block_hash, stored in list(self._watched.items()):
             found = peek([block_hash])
             if found is not None:
                 del self._watched[block_hash]
-                self.cost.observe_lookup("redis", bool(found))
+                self.cost.observe_lookup("redis", bool(found), stored)
 
-    def _wait_in_place(self, plan: LookupPlan, pos: int) -> bool:
+    def _wait_in_place(self, plan: LookupPlan, pos: int, stored: bool) -> bool:
         """Wait here, on the scheduler's thread, for the answer to the key at `pos` (a
         round trip of a fast tier) rather than have vLLM ask again a step later (see
         `CostModel.sync_wait_s`); whether it waited. Only for the first key a pass asks
@@ -213,7 +225,7 @@ class RemoteRuns:
         if plan.end is None or pos + 1 < len(plan.keys) or plan.keys[pos] in plan.answers:
             return False
         waited = 0.0 if plan.waiting_since is None else self.clock() - plan.waiting_since
-        timeout = self.cost.sync_wait_s("redis", plan.blocks_left(pos), waited)
+        timeout = self.cost.sync_wait_s("redis", plan.blocks_left(pos), waited, stored)
         wait = getattr(self.remote, "wait_lookups", None)
         if timeout <= 0 or wait is None:
             return False
