@@ -405,3 +405,44 @@ def test_a_prompt_this_engine_stored_is_waited_for_after_a_run_of_new_ones(
     assert scan(reader, own, ctx) is None  # waits for Redis's answer
     assert settle(reader, own, ctx) == 8
     assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
+
+
+def test_a_tier_whose_loads_look_too_slow_is_measured_again_by_a_probe_that_waits(
+    engines: list[Engine],
+    redis_proxy: tuple[RedisServer, ShapingProxy],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Loads predicted slower than recomputing are not waited for, so nothing measured
+    them again: an estimate raised by loads given up on a saturated engine (bench_serving's
+    multi-turn at saturation) kept every later workload from loading. Every PROBE_EVERY-th
+    such request waits and loads its run, and the estimate moves."""
+    server, proxy = redis_proxy
+    writer = Engine({"cpu_bytes_to_use": 8 * BLOCK_BYTES, "redis_url": server.url})
+    engines.append(writer)
+    prompts = [keys_of(2, start=3000 + 10 * i) for i in range(3)]
+    writer.compute([0, 1], seed=8)
+    for keys in prompts:
+        writer.store(keys, [0, 1])
+    reader = Engine({"cpu_bytes_to_use": 8 * BLOCK_BYTES, "redis_url": proxy.url})
+    engines.append(reader)
+    cost = reader.manager.cost
+    assert cost is not None
+    proxy.reshape(LinkProfile.round_trip(SLOW))
+    for _ in range(40):
+        cost.observe_round_trip("redis", SLOW)
+    cost.observe_load("redis", 2, SLOW + 2 * 5.0)  # 5 s a block: loads given up
+    recompute_per_block(reader, 0.06)
+    monkeypatch.setattr(cost_model, "PREFETCH_SHARE", 0.0)  # the load is what measures
+    monkeypatch.setattr(cost_model, "PROBE_EVERY", 3)
+    for i, keys in enumerate(prompts[:2]):
+        assert scan(reader, keys, told_prompt(reader, keys, f"gone-on-{i}")) == 0  # no wait
+    keys = prompts[2]
+    ctx = told_prompt(reader, keys, "probe")
+    assert scan(reader, keys, ctx) is None  # the third waits
+    assert settle(reader, keys, ctx) == 2
+    reader.ctx = ctx
+    errors, _ = reader.load(keys, [8, 9])
+    assert not errors
+    block_seconds = cost.tier("redis").block_seconds.value
+    assert block_seconds is not None and block_seconds < 0.85 * 5.0  # measured again
+    assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown

@@ -251,6 +251,13 @@ class CostModel:
         self._declined_runs[tier] = 0
         return True
 
+    def probe_wait_s(self, tier: str) -> float:
+        """How long a probe (see `probe`) may wait for its lookup: two round trips, and
+        never less than MIN_DEADLINE_S."""
+        cost = self.tiers.get(tier)
+        rtt = None if cost is None else cost.round_trip.value
+        return max(2 * (rtt or 0.0), MIN_DEADLINE_S)
+
     def wait_budget_s(
         self, tier: str, num_blocks: int, found: bool = False, stored: bool = False
     ) -> float:

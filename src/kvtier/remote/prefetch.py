@@ -140,6 +140,15 @@ class PrefetchedValues:
         name = _name(key)
         with self._lock:
             directory = self._own()
+        # written outside the lock: the scheduler's `count` does not wait on the copy
+        temporary = directory / f".{name}.{threading.get_ident()}"
+        try:
+            temporary.write_bytes(value)
+            os.replace(temporary, directory / name)
+        except OSError:
+            _unlink(temporary)
+            return False
+        with self._lock:
             self._expire(directory, self._clock())
             old = self._written.pop(name, None)
             if old is not None:
@@ -148,13 +157,6 @@ class PrefetchedValues:
                 dropped, (dropped_size, _) = self._written.popitem(last=False)
                 self._bytes -= dropped_size
                 _unlink(directory / dropped)
-            temporary = directory / f".{name}.{threading.get_ident()}"
-            try:
-                temporary.write_bytes(value)
-                os.replace(temporary, directory / name)
-            except OSError:
-                _unlink(temporary)
-                return False
             self._written[name] = (size, self._clock())
             self._bytes += size
         return True

@@ -49,6 +49,9 @@ class LookupPlan:
     # this engine stored the first block it asks Redis about (which hit share applies:
     # `CostModel.hit_share`); None until that block is known
     stored: bool | None = None
+    # it waits and loads to measure a tier whose loads are not worth waiting for (None:
+    # not decided; see `RemoteRuns.lookup`)
+    probe: bool | None = None
     # positions whose decision is counted (`decided`): vLLM asks a waiting request
     # again on every step it cannot schedule it, and each pass decides again
     counted: set[int] = field(default_factory=set)
@@ -146,7 +149,7 @@ class RemoteRuns:
             # (a run declined with every answer in counts toward the tier's next probe)
             if ahead and (
                 cost.worth_loading("redis", ahead, self._prefetched(plan, pos, ahead))
-                or (not pending and cost.probe("redis"))
+                or (not pending and (plan.probe or cost.probe("redis")))
             ):
                 plan.start = pos
                 cost.decisions["redis", "load"] += plan.decided(pos, 1)
@@ -165,6 +168,14 @@ class RemoteRuns:
                 cost.lookup_too_slow("redis", blocks, found, stored)
                 or now - plan.waiting_since > cost.wait_budget_s("redis", blocks, found, stored)
             )
+            if not patient and not cost.worth_loading("redis", blocks):
+                # loads predicted slower than recomputing are not waited for, so they
+                # would never be measured again (an estimate raised by loads given up on
+                # a saturated engine stayed there): every PROBE_EVERY-th such request
+                # waits, two round trips at most, and loads its run (`CostModel.probe`)
+                if plan.probe is None:
+                    plan.probe = cost.probe("redis")
+                patient = plan.probe and now - plan.waiting_since <= cost.probe_wait_s("redis")
             if patient:
                 plan.deferred = True
                 return LookupResult.RETRY
