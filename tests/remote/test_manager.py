@@ -335,7 +335,7 @@ class _BlockingStore:
         self.release = threading.Event()
 
     def try_count_prefixes(
-        self, questions: Sequence[Sequence[BlockHash]], salt: str | None
+        self, questions: Sequence[Sequence[BlockHash]], salt: str | None, fetch: int = 0
     ) -> list[int]:
         self.calls.append([len(q) for q in questions])
         self.started.set()
@@ -408,7 +408,7 @@ class _CountingStore:
         self.calls = 0
 
     def try_count_prefixes(
-        self, questions: Sequence[Sequence[BlockHash]], salt: str | None
+        self, questions: Sequence[Sequence[BlockHash]], salt: str | None, fetch: int = 0
     ) -> list[int]:
         self.calls += 1
         return [self.answer] * len(questions)

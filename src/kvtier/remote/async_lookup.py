@@ -156,12 +156,8 @@ class AsyncLookups:
             started = time.perf_counter()
             trips_before = getattr(self.store, "lookup_round_trips", 0)
             fetched_before = getattr(self.store, "fetched_blocks", 0)
-            questions = [h for h, _ in batch]
             try:
-                if fetch > 0:
-                    found = self.store.try_count_prefixes(questions, salt, fetch=fetch)
-                else:
-                    found = self.store.try_count_prefixes(questions, salt)
+                found = self.store.try_count_prefixes([h for h, _ in batch], salt, fetch)
             except Exception as exc:  # a bug: each question's answer raises it
                 for _, future in batch:
                     future.set_exception(exc)

@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -139,29 +141,31 @@ def _inject(faults: list[list[str]]) -> None:
             )
 
 
-def _corrupt_redis(url: str, pattern: str) -> None:
-    """Flip the last byte of every value whose key matches `pattern` (a KV head's values)."""
+@contextmanager
+def _redis(url: str) -> Iterator[Any]:
+    """A client of the Redis at `url` for one fault (redis-py imported only here)."""
     import redis
 
     client = redis.Redis.from_url(url)
     try:
+        yield client
+    finally:
+        client.close()
+
+
+def _corrupt_redis(url: str, pattern: str) -> None:
+    """Flip the last byte of every value whose key matches `pattern` (a KV head's values)."""
+    with _redis(url) as client:
         # (string values only: the layout's set naming its groupings shares the prefix)
         for key in client.scan_iter(match=pattern, count=1000, _type="string"):
             value = client.get(key)
             if isinstance(value, bytes) and value:
                 client.setrange(key, len(value) - 1, bytes([value[-1] ^ 0xFF]))
-    finally:
-        client.close()
 
 
 def _redis_resetstat(url: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
+    with _redis(url) as client:
         client.config_resetstat()
-    finally:
-        client.close()
 
 
 def main(argv: list[str]) -> int:
