@@ -5,6 +5,7 @@ engine steps would give it; the Redis costs are what the proxy makes them, measu
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -225,6 +226,67 @@ def test_a_load_from_a_stalled_redis_is_given_up_at_its_deadline(
     assert stats[METRICS["load_expired_blocks"].name] == {("redis",): 2}
     # the request, rescheduled by vLLM, asks again: its failed blocks now miss
     assert reader.manager.lookup(keys[0], ctx) is LookupResult.MISS
+
+
+def test_a_load_is_timed_from_when_its_tier_took_it_and_kept_if_done_in_time_to_poll(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    """Two loads from a stalled Redis: the second waits in the queue behind the first,
+    so only the first's time teaches the estimate (a queue on a busy engine is not the
+    tier's slowness). A load that finished past its deadline before the worker looked
+    has its blocks in place: it is kept, not given up and recomputed."""
+    server, proxy = redis_proxy
+    _, reader, all_keys = writer_and_reader(engines, server, proxy, redis_socket_timeout_s=60.0)
+    recompute_per_block(reader, 0.5)
+    first, second, late = (ReqContext(req_id=r) for r in ("first", "second", "late"))
+    assert settle(reader, all_keys[:2], first) == 2
+    assert settle(reader, all_keys[2:4], second) == 2
+    assert settle(reader, all_keys[4:6], late) == 2
+    clock = WorkerClock()
+    reader.worker.clock = clock
+    remote = reader.worker.workers["remote"]
+    entered, load, subs, submit = threading.Event(), remote.handler.load, [], remote.submit_load
+
+    def entering(*args: Any, **kwargs: Any) -> int:
+        entered.set()
+        return load(*args, **kwargs)
+
+    def submitting(sub: int, *args: Any) -> None:
+        subs.append(sub)  # the Redis worker's own job ids
+        submit(sub, *args)
+
+    remote.handler.load = entering  # type: ignore[method-assign]
+    remote.submit_load = submitting  # type: ignore[method-assign]
+    proxy.stall()
+    try:
+        for job, keys, ctx, ids in ((5, 0, first, [8, 9]), (6, 2, second, [10, 11])):
+            spec = reader.manager.prepare_load(all_keys[keys : keys + 2], ctx)
+            reader.worker.submit_load(job, spec, GPULoadStoreSpec(ids, [2], [0]))
+        assert entered.wait(timeout=60)  # the first is at the stalled link, the second queued
+        assert remote.began(subs[0]) is not None and remote.began(subs[1]) is None
+        clock.now += 1.1
+        assert sorted(r.job_id for r in reader.worker.get_finished()) == [5, 6]
+        report = reader.worker.take_report()
+        assert report.expired_loads == {"redis": 4}
+        ((tier, blocks, took),) = report.loads  # the first's alone
+        assert (tier, blocks) == ("redis", 2) and 0.5 < took <= 1.1 + 1e-9
+        assert reader.worker.take_load_errors() == {8, 9, 10, 11}  # vLLM recomputes them
+        reader.manager.apply_worker_report(report)
+        reader.manager.complete_load(set(all_keys[:2]), first)
+        reader.manager.complete_load(set(all_keys[2:4]), second)
+    finally:
+        proxy.resume()
+    spec = reader.manager.prepare_load(all_keys[4:6], late)
+    reader.worker.submit_load(7, spec, GPULoadStoreSpec([12, 13], [2], [0]))
+    assert remote.wait(subs[2:], timeout=60)  # done, and not looked at yet
+    clock.now += 10.0  # past its deadline, but done before the worker looked
+    results = reader.worker.get_finished()  # (its promotion into the CPU tier starts)
+    reader.worker.wait_finished({7})
+    results += reader.worker.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(7, True)]
+    assert reader.worker.take_load_errors() == set()
+    assert reader.worker.take_report().expired_loads == {}
+    assert reader.block_bytes(12) != bytes(BLOCK_BYTES)
 
 
 def told_prompt(engine: Engine, keys: list[bytes], req_id: str) -> ReqContext:

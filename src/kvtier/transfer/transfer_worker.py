@@ -175,6 +175,8 @@ class TransferWorker:
         self._order: dict[str, deque[int]] = {STORE: deque(), LOAD: deque(), DISCARD: deque()}
         self._done: dict[int, TransferResult] = {}
         self._finished: list[TransferResult] = []
+        # job id -> time.perf_counter() when its thread took it up, until it finishes
+        self._began: dict[int, float] = {}
         self.errors: deque[tuple[int, str]] = deque(maxlen=256)
         # the ordered worker's queue: loads that depend on nothing queued go first
         may_pass: Callable[[Any], bool] | None = getattr(handler, "load_may_pass", None)
@@ -284,6 +286,12 @@ class TransferWorker:
         with self._lock:
             return len(self._outstanding) + len(self._finished)
 
+    def began(self, job_id: int) -> float | None:
+        """When (`time.perf_counter()`) a thread took the job up; None while it is still
+        queued (behind a job of its own direction, or a store in the ordered worker) and
+        once it has finished. What a load waited in the queue is not its medium's time."""
+        return self._began.get(job_id)
+
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
         """Block until every listed job has finished; False on timeout."""
         wanted = set(job_ids)
@@ -323,6 +331,9 @@ class TransferWorker:
         while item is not _STOP:
             direction, job = item
             batch, item = self._take_queued(jobs, direction, job)
+            began = time.perf_counter()
+            for taken in batch:
+                self._began[taken.job_id] = began
             try:
                 results = self._run_batch(direction, batch)
             except Exception as exc:  # a bug here must fail the jobs, not stop the thread
@@ -420,6 +431,7 @@ class TransferWorker:
 
     def _complete(self, direction: str, result: TransferResult) -> None:
         with self._lock:
+            self._began.pop(result.job_id, None)
             self._done[result.job_id] = result
             order = self._order[direction]
             while order and order[0] in self._done:

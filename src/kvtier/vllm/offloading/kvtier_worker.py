@@ -108,6 +108,18 @@ def _timed_blocks(part: Part) -> int:
     return len(part.block_hashes) - getattr(spec, "prefetched", 0)
 
 
+def _ran(job: _Job, began: float, now: float) -> float:
+    """What a load part given up at `now` (the worker's clock) took at least: its time
+    since the job was submitted less what it waited in its tier's queue (`began`, on
+    `time.perf_counter`, as `job.started`). The estimate learns that the tier is slow
+    (else a tier never measured would be loaded, and given up, every time); a part given
+    up before its tier took it is no sample at all: the load ahead of it is. Counted
+    whole, a load that waited behind another on a busy engine taught the estimate that
+    the tier itself was slow, and the loads after it were declined."""
+    submitted = (job.deadline or now) - job.deadline_s
+    return max(now - submitted - max(began - job.started, 0.0), 0.0)
+
+
 def _medium_of(part: Part) -> str:
     """The tier a part's transfer is timed under: a cascade job that touches the disk
     (a read, a write-through, a demotion) is the disk's, its time being the disk's."""
@@ -363,8 +375,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
     # --- results -------------------------------------------------------------
 
     def get_finished(self) -> list[TransferResult]:
-        self._expire_loads()
+        # finished loads first: one that finished during a long step, past its deadline,
+        # has its blocks in place (giving it up would recompute them for nothing)
         self._poll()
+        self._expire_loads()
         if self.disk is not None:
             corrupt = self.disk.take_dropped()
             lost = self._handler.take_lost() if self._handler is not None else []
@@ -388,21 +402,21 @@ class KvtierOffloadingWorker(OffloadingWorker):
         now = self.clock()
         with self._lock:
             expired = [
-                (sub, part, job.deadline_s)
+                (sub, part, job)
                 for job in self._jobs.values()
                 if job.deadline is not None and now > job.deadline
                 for sub, part in job.waiting.items()
                 if part is not job.promotion and getattr(part.spec, "guard", None) is not None
             ]
-        for sub, part, waited in expired:
+        for sub, part, job in expired:
             part.spec.guard.abandon()  # type: ignore[attr-defined]
+            began = self.workers[part.tier].began(sub)
             tier = _medium_of(part)
             with self._lock:
                 expired_blocks = self._report.expired_loads
                 expired_blocks[tier] = expired_blocks.get(tier, 0) + len(part.block_hashes)
-                # what the load took at least: the estimate learns that the tier is slow
-                # (else a tier never measured would be loaded, and given up, every time)
-                self._report.loads.append((tier, _timed_blocks(part), waited))
+                if began is not None:
+                    self._report.loads.append((tier, _timed_blocks(part), _ran(job, began, now)))
             log.warning(
                 "kvtier: a %s load of %d blocks passed its deadline; vLLM recomputes them",
                 tier,
