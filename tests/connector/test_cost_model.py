@@ -197,7 +197,7 @@ def test_a_lookup_carries_blocks_while_carrying_them_costs_under_half_its_round_
     assert cost.prefetch_blocks("redis") == 0  # a block's carrying not measured yet
     cost.observe_load("redis", 10, 0.2 + 10 * 0.004)  # 4 ms a block past the round trip
     assert cost.prefetch_blocks("redis") == 25  # 25 * 4 ms = half of 0.2 s
-    assert cost.transfer_seconds("redis", 5) == pytest.approx(0.02)
+    assert cost.load_seconds("redis", 5) == pytest.approx(0.22)
     fast = model()
     fast.observe_round_trip("redis", 0.001)
     fast.observe_load("redis", 10, 0.001 + 10 * 0.004)
@@ -250,3 +250,18 @@ def test_lookups_of_blocks_stored_here_and_of_others_have_their_own_hit_shares()
     assert cost.wait_budget_s("redis", 4, stored=True) == pytest.approx(0.35)
     gauges = cost.gauges()
     assert gauges["cost_lookup_hit_share", "redis_stored"] == 1.0
+
+
+def test_a_blocks_transfer_time_weighs_each_load_by_its_blocks() -> None:
+    """Loads of a few blocks are mostly the round trip's noise: 25 ms over a 0.2 s round
+    trip on 2 blocks is no sign that 32 blocks take 0.4 s more."""
+    cost = model()
+    cost.observe_round_trip("redis", 0.2)
+    cost.observe_load("redis", 2, 0.2 + 0.025)
+    for _ in range(3):
+        cost.observe_load("redis", 32, 0.2 + 32 * 0.001)
+    per_block = cost.tiers["redis"].block_seconds.value
+    assert per_block is not None and per_block < 0.003  # per load averaged: over 0.005
+    cost.observe_load("redis", 0, 5.0)  # no blocks: no sample
+    cost.observe_load("redis", 4, float("nan"))
+    assert cost.tiers["redis"].block_seconds.value == per_block

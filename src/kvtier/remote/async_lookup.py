@@ -26,8 +26,10 @@ together when it ends, or when someone waits for an answer (`wait`).
 Where a round trip costs more than carrying a block (a slow link), the thread reads the
 first blocks of a round trip whole (`fetch_blocks`, set by the connector from its cost
 estimates; `prefetch`), so that a load that follows in this process costs no second one.
-The time spent carrying them is not the round trip's (`fetch_seconds`): the estimate of a
-round trip stays that of the lookups that read headers only.
+A round trip that carried blocks is no sample of the round trip: its time less an
+estimate of the carrying fed that estimate back into itself (an inflated block time made
+the round trip look shorter, which made the next load's blocks look slower), so the
+round trip is timed on the lookups that carried nothing (every miss).
 
 An answer nobody collected (the request went away first) is not handed out later: one
 older than `max_age_s` is asked again, since the blocks may have been stored or evicted
@@ -83,7 +85,6 @@ class AsyncLookups:
         # how many blocks a round trip reads whole, and what carrying n of them adds to
         # it (see the module docstring); none without them
         self.fetch_blocks: Callable[[], int] | None = None
-        self.fetch_seconds: Callable[[int], float] = lambda n: 0.0
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -163,14 +164,11 @@ class AsyncLookups:
                     future.set_exception(exc)
                 continue
             # one round trip's seconds (a lookup of blocks another layout wrote takes
-            # more than one; the estimate is of the one a load pays), less the carrying
-            # of the blocks read whole
+            # more than one; the estimate is of the one a load pays), unless it carried
             seconds = time.perf_counter() - started
-            fetched = getattr(self.store, "fetched_blocks", 0) - fetched_before
-            if fetched:
-                seconds = max(seconds - self.fetch_seconds(fetched), 0.0)
-            trips = getattr(self.store, "lookup_round_trips", 0) - trips_before
-            self._seconds.append(seconds / max(trips, 1))
+            if getattr(self.store, "fetched_blocks", 0) == fetched_before:
+                trips = getattr(self.store, "lookup_round_trips", 0) - trips_before
+                self._seconds.append(seconds / max(trips, 1))
             answers: list[int | None] = [None] * len(batch) if found is None else [*found]
             answered_at = self._clock()
             for (_, future), answer in zip(batch, answers, strict=True):

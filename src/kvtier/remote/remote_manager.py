@@ -134,11 +134,11 @@ class RemoteOffloadingManager(OffloadingManager):
         """Block until asynchronous lookups have answers; True at once when synchronous."""
         return self._async.wait(timeout) if self._async is not None else True
 
-    def fetch_with(self, blocks: Callable[[], int], seconds: Callable[[int], float]) -> None:
-        """Have asynchronous lookups read the first `blocks()` blocks of a round trip whole,
-        carrying n of them taking `seconds(n)` (`AsyncLookups.fetch_blocks`, `prefetch`)."""
+    def fetch_with(self, blocks: Callable[[], int]) -> None:
+        """Have asynchronous lookups read the first `blocks()` blocks of a round trip whole
+        (`AsyncLookups.fetch_blocks`, `prefetch`)."""
         if self._async is not None:
-            self._async.fetch_blocks, self._async.fetch_seconds = blocks, seconds
+            self._async.fetch_blocks = blocks
 
     def prefetched(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many of the blocks a lookup read whole for a load here (`prefetch`)."""

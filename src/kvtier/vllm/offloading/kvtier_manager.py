@@ -236,9 +236,7 @@ class KvtierOffloadingManager(OffloadingManager):
         )
         fetch_with = getattr(remote, "fetch_with", None)
         if cost is not None and fetch_with is not None:  # a slow Redis's lookups carry blocks
-            fetch_with(
-                partial(cost.prefetch_blocks, "redis"), partial(cost.transfer_seconds, "redis")
-            )
+            fetch_with(partial(cost.prefetch_blocks, "redis"))
 
     def _tier(self, name: str) -> KvtierManager:
         manager = self.local if name == LOCAL else self.remote
