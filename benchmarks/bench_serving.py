@@ -62,8 +62,10 @@ from kvtier.vllm import transfer_config
 from kvtier.vllm.engines import TINY, ModelShape, write_model
 from kvtier.vllm.engines.chat_workloads import Workload, documents, multi_turn, unique
 from kvtier.vllm.engines.load_client import (
+    Answer,
     BeforeSend,
     LoadSummary,
+    percentile,
     run_load,
     run_one_by_one,
 )
@@ -133,9 +135,28 @@ def _nothing() -> None:
     return None
 
 
+def by_turn(answers: list[Answer]) -> dict[str, dict[str, float]]:
+    """TTFT of conversations' first turns (nothing of theirs to reuse) and of the later
+    ones (a history to load or recompute), apart: a side that wins the later turns and
+    loses the first shows it (the percentiles over all requests mix the two)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, group in (("first", [a for a in answers if a.ok and a.turn == 0]),
+                        ("later", [a for a in answers if a.ok and a.turn > 0])):  # fmt: skip
+        if group:
+            ttft = [a.ttft_s for a in group]
+            out[name] = {
+                "requests": len(group),
+                "ttft_p50_s": percentile(ttft, 50),
+                "ttft_mean_s": sum(ttft) / len(ttft),
+                "cached_tokens": sum(a.cached_tokens for a in group),
+            }
+    return out
+
+
 def _run_side(
     server: OpenAIServer, play: Callable[[], list[Any]], after_run: Callable[[], None] = _nothing
-) -> tuple[LoadSummary, dict[str, dict[str, float]]]:
+) -> tuple[LoadSummary, dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """One side's run: its summary, what its tiers did (`/metrics`), its TTFT by turn."""
     server.reset()
     before = kvtier_counters(server.get("/metrics"))
     try:
@@ -160,7 +181,7 @@ def _run_side(
             f"{server.url}: {len(failed)} requests failed, first: {failed[0]}; the "
             f"server's log ends:\n{server.log_tail()}"
         )
-    return LoadSummary.of(answers), tiers
+    return LoadSummary.of(answers), tiers, by_turn(answers)
 
 
 def bench(
@@ -262,8 +283,8 @@ def _workload(
     for side in SIDES if seed % 2 == 0 else SIDES[::-1]:
         server, (hook, after) = servers[side], hooks[side]
         play = partial(run_one_by_one, server.url, "model", workload, before=hook)
-        summary, tiers = _run_side(server, play, after)
-        idle[side] = {**asdict(summary), "tiers": tiers}
+        summary, tiers, turns = _run_side(server, play, after)
+        idle[side] = {**asdict(summary), "tiers": tiers, "by_turn": turns}
     # vLLM alone's one-at-a-time rate: one over its mean time per request
     per_request_s = idle["vllm"]["span_s"] / idle["vllm"]["requests"]
     rates = [f / per_request_s for f in setup.rate_fractions]
@@ -275,8 +296,8 @@ def _workload(
             server, (hook, after) = servers[side], hooks[side]
             play = partial(run_load, server.url, "model", workload, rate, seed=i, before=hook)
             cpu_before = rig_cpu() if rig_cpu is not None and side == "kvtier" else None
-            summary, tiers = _run_side(server, play, after)
-            row[side] = {**asdict(summary), "tiers": tiers}
+            summary, tiers, turns = _run_side(server, play, after)
+            row[side] = {**asdict(summary), "tiers": tiers, "by_turn": turns}
             rig = ""
             if rig_cpu is not None and cpu_before is not None:
                 used = {k: v - cpu_before[k] for k, v in rig_cpu().items()}

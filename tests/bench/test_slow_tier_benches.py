@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from benchmarks.bench_serving import parse_rates
+from benchmarks.bench_serving import by_turn, parse_rates
 from benchmarks.serving_profiles import TierProfile, parse_profile, parse_profiles
 from benchmarks.vllm_crossover import SIDES, TOKENS, Request, plan, summarize
 
 from kvtier.vllm.engines import RequestResult
+from kvtier.vllm.engines.load_client import Answer
 
 
 def test_profiles_are_read_field_by_field() -> None:
@@ -118,3 +119,17 @@ def test_a_crossover_cell_is_judged_against_the_better_side() -> None:
     assert long["measured_vs_best"] == pytest.approx(0.9 / 0.6)
     assert not long["meets_target"]
     assert long["spread"]["always"] == pytest.approx(0.7 / 0.5)
+
+
+def test_serving_runs_give_first_turns_and_later_ones_apart() -> None:
+    def answer(turn: int, ttft: float, cached: int, ok: bool = True) -> Answer:
+        return Answer(0, turn, ok, 0.0, ttft, 1.0, (), 100, cached, 4, "", "" if ok else "x")
+
+    turns = by_turn(
+        [answer(0, 0.1, 0), answer(0, 0.3, 0), answer(1, 0.2, 64), answer(2, 9.0, 0, ok=False)]
+    )
+    assert turns["first"]["requests"] == 2 and turns["first"]["ttft_mean_s"] == pytest.approx(0.2)
+    assert turns["later"] == {
+        "requests": 1, "ttft_p50_s": 0.2, "ttft_mean_s": 0.2, "cached_tokens": 64
+    }  # fmt: skip
+    assert by_turn([answer(1, 0.2, 0)]).keys() == {"later"}
