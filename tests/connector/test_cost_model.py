@@ -265,21 +265,3 @@ def test_a_blocks_transfer_time_weighs_each_load_by_its_blocks() -> None:
     cost.observe_load("redis", 0, 5.0)  # no blocks: no sample
     cost.observe_load("redis", 4, float("nan"))
     assert cost.tiers["redis"].block_seconds.value == per_block
-
-
-def test_a_load_is_judged_with_the_engine_step_it_spans_but_timed_out_without() -> None:
-    cost = model()
-    cost.observe_step(TOKENS * 10, 0.1)  # 10 ms per block to recompute
-    cost.observe_round_trip("redis", 0.05)
-    cost.observe_load("redis", 10, 0.05 + 10 * 0.001)
-    assert cost.worth_loading("redis", 8)  # 0.058 s against 0.08 s
-    deadline = cost.load_deadline_s("redis", 8)
-    cost.observe_load_seen("redis", 0.3, 0.06)  # the request waited 0.24 s past it
-    assert cost.load_seconds("redis", 8) == pytest.approx(0.058 + 0.24)
-    assert cost.load_seconds("redis", 8, prefetched=8) == pytest.approx(0.24)
-    assert not cost.worth_loading("redis", 8)
-    assert cost.worth_loading("redis", 40)  # 0.33 s against 0.4 s
-    assert cost.load_deadline_s("redis", 8) == deadline  # the worker's clock: transfer only
-    assert cost.gauges()["cost_load_step_seconds", "redis"] == pytest.approx(0.24)
-    cost.observe_load_seen("redis", 0.01, 0.06)  # faster than predicted: no step
-    assert cost.tiers["redis"].step_seconds.value == pytest.approx(0.24 * 0.8)

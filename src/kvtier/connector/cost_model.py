@@ -9,11 +9,6 @@ constant to configure but a comparison of two measured, moving estimates:
   background lookup thread times it) plus n times a block's transfer time (each finished
   load job's seconds less its round trip, over its blocks). Exponential moving averages
   (`smoothing` is a new sample's weight): they follow a tier as it slows down or recovers.
-- per tier, what a load costs the request past its transfer: vLLM starts a load with an
-  engine step and sees it done at the end of one, so the request waits at least that
-  step (milliseconds on an idle engine, other requests' prefill on a busy one); each
-  decided load's time from vLLM's asking to its completion, less its predicted
-  transfer (`observe_load_seen`). Decisions add it; a load's deadline does not.
 - what recomputing takes on this engine: seconds per token of the engine's own steps
   (the scheduler side times each step that computes tokens, start to output), at the
   load the engine is under now.
@@ -140,8 +135,6 @@ class TierCost:
     def __init__(self, weight: float) -> None:
         self.round_trip = MovingAverage(weight)
         self.block_seconds = RatioAverage(weight)
-        # what a load takes as the request sees it past its transfer (`observe_load_seen`)
-        self.step_seconds = MovingAverage(weight)
 
     def seconds(self, num_blocks: int) -> float | None:
         """Predicted seconds to load `num_blocks`, or None if never measured."""
@@ -186,16 +179,6 @@ class CostModel:
         rtt = cost.round_trip.value or 0.0
         cost.block_seconds.add(max(seconds - rtt, 0.0), num_blocks)
 
-    def observe_load_seen(self, tier: str, seconds: float, predicted: float) -> None:
-        """A load as the scheduler saw it: `seconds` from vLLM's asking for it to vLLM's
-        learning it finished, against the `predicted` transfer (`load_seconds(...,
-        seen=False)`). vLLM starts a load with an engine step and learns of its end at
-        the end of a step, so the request waits at least that step, which on a busy
-        engine is other requests' prefill: the time past the transfer is the load's
-        cost in steps, and loads are judged by it too (`load_seconds`): an idle
-        engine's empty steps take milliseconds, a busy one's whole prefills."""
-        self.tier(tier).step_seconds.add(max(seconds - predicted, 0.0))
-
     def observe_lookup(self, tier: str, found: bool, stored: bool = False) -> None:
         """The answer to a request's first lookup of `tier` (its first block not in a
         faster tier): whether the tier had it, so a run to load at all. `stored`: this
@@ -233,22 +216,16 @@ class CostModel:
         per_token = self.token_seconds.value
         return None if per_token is None else num_blocks * self.tokens_per_block * per_token
 
-    def load_seconds(
-        self, tier: str, num_blocks: int, prefetched: int = 0, seen: bool = True
-    ) -> float | None:
+    def load_seconds(self, tier: str, num_blocks: int, prefetched: int = 0) -> float | None:
         """Predicted seconds to load `num_blocks` from `tier`, the first `prefetched` of
         which a lookup read whole (they cost nothing, and a load of only those no round
-        trip); None where the tier was never measured. `seen`: as the request sees it,
-        with the engine step the load spans (`observe_load_seen`); else the transfer
-        alone (a deadline's, the worker's clock)."""
+        trip); None where the tier was never measured."""
         cost = self.tiers.get(tier)
         if cost is None:
             return None
-        step = (cost.step_seconds.value or 0.0) if seen else 0.0
         if 0 < num_blocks <= prefetched:
-            return step
-        transfer = cost.seconds(num_blocks - max(prefetched, 0))
-        return None if transfer is None else transfer + step
+            return 0.0
+        return cost.seconds(num_blocks - max(prefetched, 0))
 
     def prefetch_blocks(self, tier: str) -> int:
         """How many blocks a lookup of `tier` reads whole (see the module docstring): as
@@ -337,7 +314,7 @@ class CostModel:
         recompute = self.recompute_seconds(num_blocks)
         if self.config.mode == "always" or recompute is None:
             return None
-        load = self.load_seconds(tier, num_blocks, seen=False) or 0.0
+        load = self.load_seconds(tier, num_blocks) or 0.0
         if load >= recompute:
             return max(recompute, MIN_DEADLINE_S)
         return max(recompute, 2 * load, MIN_DEADLINE_S)
@@ -380,8 +357,6 @@ class CostModel:
                 out["cost_round_trip_seconds", name] = cost.round_trip.value
             if cost.block_seconds.value is not None:
                 out["cost_load_block_seconds", name] = cost.block_seconds.value
-            if cost.step_seconds.value is not None:
-                out["cost_load_step_seconds", name] = cost.step_seconds.value
         for name, share in self.lookup_hits.items():
             if share.value is not None:
                 out["cost_lookup_hit_share", name] = share.value

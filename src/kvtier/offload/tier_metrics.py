@@ -109,12 +109,6 @@ _METRICS = (
         "Moving estimate of a block's transfer time in a load from the tier.",
     ),
     TierMetric(
-        "cost_load_step_seconds",
-        "gauge",
-        "Moving estimate of what a load from the tier takes as the request sees it past "
-        "its transfer: the engine step it spans (loads are judged with it).",
-    ),
-    TierMetric(
         "cost_lookup_hit_share",
         "gauge",
         "Moving share of requests whose first block asked of the tier was there (what a "

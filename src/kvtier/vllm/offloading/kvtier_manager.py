@@ -100,22 +100,7 @@ _MEDIA: dict[str, tuple[Medium, Locality]] = {
 
 
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
-# a load: the parts taken from each tier, the blocks promoted locally, and (where a
-# decision offered it: Redis, the disk) its tier, when vLLM asked for it and its
-# predicted transfer (`CostModel.observe_load_seen`)
-_Load = tuple[list[tuple[str, list[BlockHash]]], list[BlockHash], tuple[str, float, float] | None]
-
-
-def _slowest(parts: list[Part]) -> str:
-    """The tier a load is judged by: Redis if it reads Redis, else the disk if it reads
-    the disk (a cascade part with disk blocks), else the CPU tier."""
-    tier = "cpu"
-    for part in parts:
-        if part.tier == REMOTE:
-            return "redis"
-        if isinstance(part.spec, CascadeLoadSpec) and part.spec.disk_positions:
-            tier = "disk"
-    return tier
+_Load = tuple[list[tuple[str, list[BlockHash]]], list[BlockHash]]
 
 
 @dataclass
@@ -405,23 +390,8 @@ class KvtierOffloadingManager(OffloadingManager):
         spec.promotion = self._plan_promotion(spec.parts)
         spec.discards = self._next_discards()  # after the promotion's own disk evictions
         promoted = spec.promotion.block_hashes if spec.promotion is not None else []
-        self._loads[frozenset(hashes)].append((taken, promoted, self._seen_from(spec.parts)))
+        self._loads[frozenset(hashes)].append((taken, promoted))
         return spec
-
-    def _seen_from(self, parts: list[Part]) -> tuple[str, float, float] | None:
-        """A decided load's tier, now, and its predicted transfer: what `complete_load`
-        measures the load as the request sees it against (None: nothing decided it)."""
-        tier = _slowest(parts)
-        if self.cost is None or tier == "cpu":
-            return None
-        if tier == "redis":
-            part = next(p for p in parts if p.tier == REMOTE)
-            blocks, carried = len(part.block_hashes), getattr(part.spec, "prefetched", 0)
-        else:
-            blocks = sum(len(getattr(p.spec, "disk_positions", ())) for p in parts)
-            carried = 0
-        predicted = self.cost.load_seconds(tier, blocks, carried, seen=False)
-        return (tier, self.clock(), predicted or 0.0)
 
     def _load_deadline(self, parts: list[Part]) -> float | None:
         """How long the load may take before the worker gives it up (see
@@ -432,8 +402,13 @@ class KvtierOffloadingManager(OffloadingManager):
             return None
         if self._cpu_core is None and all(p.tier == LOCAL for p in parts):
             return None  # the CPU tier alone: its copies wait on nothing
-        blocks = sum(len(p.block_hashes) for p in parts)
-        return self.cost.load_deadline_s(_slowest(parts), blocks)
+        tier = "cpu"
+        for part in parts:
+            if part.tier == REMOTE:
+                tier = "redis"
+            elif isinstance(part.spec, CascadeLoadSpec) and part.spec.disk_positions:
+                tier = "disk" if tier == "cpu" else tier
+        return self.cost.load_deadline_s(tier, sum(len(p.block_hashes) for p in parts))
 
     def _plan_promotion(self, parts: list[Part]) -> Part | None:
         """Local slots for what Redis serves, taken by the chain (a refused or full local
@@ -469,12 +444,9 @@ class KvtierOffloadingManager(OffloadingManager):
         pending = self._loads.get(hashes)
         if not pending:
             raise KeyError(f"complete_load: no load in flight for these {len(hashes)} blocks")
-        parts, promoted, seen = pending.popleft()
+        parts, promoted = pending.popleft()
         if not pending:
             del self._loads[hashes]
-        if seen is not None and self.cost is not None and self._failed_loads.isdisjoint(hashes):
-            judged_by, asked, predicted = seen
-            self.cost.observe_load_seen(judged_by, self.clock() - asked, predicted)
         remote_ok = True
         for name, part in parts:
             failed = not self._failed_loads.isdisjoint(part)
@@ -591,7 +563,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def _load_tier(self, hashes: list[BlockHash]) -> str:
         """The tier a failed load part read (its blocks are still pinned by the load)."""
         for queued in self._loads.values():
-            for taken, *_ in queued:
+            for taken, _ in queued:
                 for name, part in taken:
                     if hashes and hashes[0] in part:
                         return "redis" if name == REMOTE else self._local_label
@@ -609,7 +581,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def _pinned(self) -> set[BlockHash]:
         loads = self._loads.values()
-        return {h for queued in loads for taken, *_ in queued for _, part in taken for h in part}
+        return {h for queued in loads for taken, _ in queued for _, part in taken for h in part}
 
     def _next_discards(self) -> list[BlockHash]:
         carried, self._carried = self._carried, []
