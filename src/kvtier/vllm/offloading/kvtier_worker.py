@@ -108,16 +108,17 @@ def _timed_blocks(part: Part) -> int:
     return len(part.block_hashes) - getattr(spec, "prefetched", 0)
 
 
-def _ran(job: _Job, began: float, now: float) -> float:
-    """What a load part given up at `now` (the worker's clock) took at least: its time
-    since the job was submitted less what it waited in its tier's queue (`began`, on
-    `time.perf_counter`, as `job.started`). The estimate learns that the tier is slow
-    (else a tier never measured would be loaded, and given up, every time); a part given
-    up before its tier took it is no sample at all: the load ahead of it is. Counted
-    whole, a load that waited behind another on a busy engine taught the estimate that
-    the tier itself was slow, and the loads after it were declined."""
-    submitted = (job.deadline or now) - job.deadline_s
-    return max(now - submitted - max(began - job.started, 0.0), 0.0)
+def _ran(job: _Job, began: float) -> float:
+    """What a load part given up at its deadline took at least: the deadline less what
+    it waited in its tier's queue (`began`, on `time.perf_counter`, as `job.started`).
+    The estimate learns that the tier is slow (else a tier never measured would be
+    loaded, and given up, every time); a part given up before its tier took it is no
+    sample at all: the load ahead of it is. Counted whole, a load that waited behind
+    another on a busy engine taught the estimate that the tier itself was slow, and the
+    loads after it were declined. Nor does the time past the deadline count: it is the
+    step the engine was in when the deadline passed (checked between steps), not the
+    tier's: on a saturated engine a step is a whole prefill."""
+    return max(job.deadline_s - max(began - job.started, 0.0), 0.0)
 
 
 def _medium_of(part: Part) -> str:
@@ -416,7 +417,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 expired_blocks = self._report.expired_loads
                 expired_blocks[tier] = expired_blocks.get(tier, 0) + len(part.block_hashes)
                 if began is not None:
-                    self._report.loads.append((tier, _timed_blocks(part), _ran(job, began, now)))
+                    self._report.loads.append((tier, _timed_blocks(part), _ran(job, began)))
             log.warning(
                 "kvtier: a %s load of %d blocks passed its deadline; vLLM recomputes them",
                 tier,
