@@ -265,3 +265,17 @@ def test_a_blocks_transfer_time_weighs_each_load_by_its_blocks() -> None:
     cost.observe_load("redis", 0, 5.0)  # no blocks: no sample
     cost.observe_load("redis", 4, float("nan"))
     assert cost.tiers["redis"].block_seconds.value == per_block
+
+
+def test_one_slow_load_does_not_move_a_blocks_time_but_a_slower_tier_does() -> None:
+    """A load slowed by a busy engine is one sample of the last loads' median; a tier
+    that slows down moves it once half the recent loads' blocks say so."""
+    cost = model()
+    cost.observe_round_trip("redis", 0.2)
+    for _ in range(6):
+        cost.observe_load("redis", 16, 0.2 + 16 * 0.002)
+    cost.observe_load("redis", 32, 0.2 + 1.0)  # 31 ms a block, once
+    assert cost.tiers["redis"].block_seconds.value == pytest.approx(0.002)
+    for _ in range(5):
+        cost.observe_load("redis", 16, 0.2 + 16 * 0.03)
+    assert cost.tiers["redis"].block_seconds.value == pytest.approx(0.03)

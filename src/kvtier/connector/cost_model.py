@@ -7,8 +7,10 @@ constant to configure but a comparison of two measured, moving estimates:
 
 - per tier, what a load of n blocks takes: a round trip (Redis: every lookup's, as the
   background lookup thread times it) plus n times a block's transfer time (each finished
-  load job's seconds less its round trip, over its blocks). Exponential moving averages
-  (`smoothing` is a new sample's weight): they follow a tier as it slows down or recovers.
+  load job's seconds less its round trip, over its blocks). The round trip is an
+  exponential moving average (`smoothing` is a new sample's weight), the block's time
+  the median of the last loads (`WeightedMedian`): they follow a tier as it slows down
+  or recovers, the median once half the recent loads' blocks say so.
 - what recomputing takes on this engine: seconds per token of the engine's own steps
   (the scheduler side times each step that computes tokens, start to output), at the
   load the engine is under now.
@@ -44,7 +46,7 @@ Bookkeeping only: no vLLM, no clock of its own (callers pass seconds in).
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -105,28 +107,36 @@ class MovingAverage:
         self.value = sample if value is None else value + self.weight * (sample - value)
 
 
-class RatioAverage:
-    """A moving rate: the moving average of a quantity over that of what it is per (a
-    load's seconds past its round trip over its blocks), so each sample weighs as its
-    blocks. A few blocks' load is mostly the round trip's noise: averaged per sample,
-    loads of 2 and 4 blocks 25 ms off a 0.2 s round trip taught Redis's estimate 12 ms a
-    block where 32-block loads took 1 ms, and then nothing past a few blocks was loaded
-    or carried."""
+class WeightedMedian:
+    """The median rate of the last `window` samples, each weighing as what it is per (a
+    load's seconds past its round trip over its blocks: a load of 32 blocks says more of
+    a block's time than one of 2, whose time is mostly the round trip's noise). A median,
+    not a moving average: one load slowed by a busy engine (another request's prefill on
+    every core) took a moving average from 2 to 18.5 ms a block in a bench_serving run,
+    and the loads after it were declined, where a declined tier is measured again only
+    by a probe. Averaged per sample, loads of a few blocks 25 ms off a 0.2 s round trip
+    taught 12 ms a block where 32-block loads took 1 ms."""
 
-    def __init__(self, weight: float) -> None:
-        self._amount = MovingAverage(weight)
-        self._per = MovingAverage(weight)
+    def __init__(self, window: int = 16) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
 
     def add(self, amount: float, per: float) -> None:
         if not (math.isfinite(amount) and math.isfinite(per)) or amount < 0 or per <= 0:
             return  # a clock that went backwards, a bug upstream: never poison the estimate
-        self._amount.add(amount)
-        self._per.add(per)
+        self._samples.append((amount / per, per))
 
     @property
     def value(self) -> float | None:
-        amount, per = self._amount.value, self._per.value
-        return None if amount is None or not per else amount / per
+        """The lowest rate with at least half the weight at or below it; None: no sample."""
+        if not self._samples:
+            return None
+        ranked = sorted(self._samples)
+        half, weight = sum(w for _, w in ranked) / 2, 0.0
+        for rate, w in ranked:
+            weight += w
+            if weight >= half:
+                return rate
+        return ranked[-1][0]
 
 
 class TierCost:
@@ -134,7 +144,7 @@ class TierCost:
 
     def __init__(self, weight: float) -> None:
         self.round_trip = MovingAverage(weight)
-        self.block_seconds = RatioAverage(weight)
+        self.block_seconds = WeightedMedian()
 
     def seconds(self, num_blocks: int) -> float | None:
         """Predicted seconds to load `num_blocks`, or None if never measured."""
