@@ -119,24 +119,22 @@ class WeightedMedian:
 
     def __init__(self, window: int = 16) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        # the lowest rate with at least half the weight at or below it; None: no sample
+        # (ranked once a load, not at every decision that reads it)
+        self.value: float | None = None
 
     def add(self, amount: float, per: float) -> None:
         if not (math.isfinite(amount) and math.isfinite(per)) or amount < 0 or per <= 0:
             return  # a clock that went backwards, a bug upstream: never poison the estimate
         self._samples.append((amount / per, per))
-
-    @property
-    def value(self) -> float | None:
-        """The lowest rate with at least half the weight at or below it; None: no sample."""
-        if not self._samples:
-            return None
         ranked = sorted(self._samples)
         half, weight = sum(w for _, w in ranked) / 2, 0.0
         for rate, w in ranked:
             weight += w
             if weight >= half:
-                return rate
-        return ranked[-1][0]
+                self.value = rate
+                return
+        self.value = ranked[-1][0]
 
 
 class TierCost:

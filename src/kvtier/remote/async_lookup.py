@@ -82,8 +82,8 @@ class AsyncLookups:
         self._lock = threading.Lock()
         self._held = 0  # depth of `held()`: while > 0, questions wait to be sent together
         self._unsent = False  # a question was queued and no send submitted for it yet
-        # how many blocks a round trip reads whole, and what carrying n of them adds to
-        # it (see the module docstring); none without them
+        # how many blocks a round trip reads whole (see the module docstring); none
+        # without it
         self.fetch_blocks: Callable[[], int] | None = None
 
     @contextmanager
