@@ -1,6 +1,7 @@
 """vLLM's OpenAI server alone against the same server with kvtier, under load (issue 27).
 
     .venv/bin/python -m benchmarks.bench_serving [--quick] [--workloads multi_turn,...]
+        [--profiles cpu,redis:delay_ms=200,...] [--rates 0.5,1,inf] [--repeats N]
 
 Writes benchmarks/results/serving.json (serving-quick.json with --quick). Two servers,
 one per side, started together and kept up for the whole run: vLLM alone, and vLLM with
@@ -36,6 +37,7 @@ import argparse
 import math
 import os
 import socket
+import statistics
 import tempfile
 import time
 import warnings
@@ -50,6 +52,7 @@ import redis
 
 from benchmarks.bench_redis import redis_server
 from benchmarks.common import write_result
+from benchmarks.peer_figures import Comparison
 from benchmarks.serving_profiles import (
     REDIS_CPU_POOLS,
     REDIS_SOCKET_TIMEOUT_S,
@@ -185,10 +188,15 @@ def _run_side(
 
 
 def bench(
-    setup: Setup, workdir: Path, only: list[str], profiles: list[TierProfile] | None = None
+    setup: Setup,
+    workdir: Path,
+    only: list[str],
+    profiles: list[TierProfile] | None = None,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Every workload under every profile (default: kvtier's CPU tier alone), each beside
-    vLLM alone. Results by workload, then by profile where more than the default ran."""
+    vLLM alone, `repeats` times (see `_workload`). Results by workload, then by profile
+    where more than the default ran."""
     profiles = profiles or [parse_profile("cpu")]
     model = write_model(workdir / "model", setup.shape, weights=False)
     write_tokenizer(model, setup.shape.vocab)
@@ -239,9 +247,13 @@ def bench(
                     before=hook,
                     after_run=_resume(proxy),
                     rig_cpu=rig_cpu,
+                    repeats=repeats,
                 )
                 by_profile[profile.name] = {**result, "profile": asdict(profile)}
                 print(f"{name} [{profile.name}]: {verdict_line(result)}", flush=True)
+                if repeats > 1:
+                    for line in comparison_lines(result):
+                        print(f"   {line}", flush=True)
             default = len(profiles) == 1 and profiles[0].name == "cpu"
             out["workloads"][name] = by_profile[profiles[0].name] if default else by_profile
     return out
@@ -271,49 +283,102 @@ def _workload(
     before: BeforeSend | None = None,
     after_run: Callable[[], None] = _nothing,
     rig_cpu: Callable[[], dict[str, float]] | None = None,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """One workload on both sides; `before`, `after_run`: the kvtier side's profile
     (a stall before a request, the link flowing again after the run); `rig_cpu`: the
     CPU seconds so far of what stands in for a remote Redis here (the shaping proxy,
     the redis-server), which run on the engines' cores where a real deployment's would
-    not: each kvtier run reports what they took (`rig_cpu_s`)."""
+    not: each kvtier run reports what they took (`rig_cpu_s`). `repeats`: the whole
+    (one at a time, then each rate) played that many times, the side going first
+    alternating from run to run and from repeat to repeat; `idle` and `runs` are the
+    first repeat's, `repeats` the others', `comparisons` and `verdict` over all."""
     workload = make(seed)
     hooks = {"vllm": (None, _nothing), "kvtier": (before, after_run)}
-    idle: dict[str, Any] = {}
-    for side in SIDES if seed % 2 == 0 else SIDES[::-1]:
-        server, (hook, after) = servers[side], hooks[side]
-        play = partial(run_one_by_one, server.url, "model", workload, before=hook)
-        summary, tiers, turns = _run_side(server, play, after)
-        idle[side] = {**asdict(summary), "tiers": tiers, "by_turn": turns}
-    # vLLM alone's one-at-a-time rate: one over its mean time per request
-    per_request_s = idle["vllm"]["span_s"] / idle["vllm"]["requests"]
-    rates = [f / per_request_s for f in setup.rate_fractions]
-    runs: list[dict[str, Any]] = []
-    for i, rate in enumerate(rates):
-        # JSON has no infinity: all at once is a rate of null
-        row: dict[str, Any] = {"rate": rate if math.isfinite(rate) else None}
-        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+    played: list[dict[str, Any]] = []  # per repeat: {"idle": ..., "runs": ...}
+    rates: list[float] = []
+    for r in range(repeats):
+        idle: dict[str, Any] = {}
+        for side in SIDES if (seed + r) % 2 == 0 else SIDES[::-1]:
             server, (hook, after) = servers[side], hooks[side]
-            play = partial(run_load, server.url, "model", workload, rate, seed=i, before=hook)
-            cpu_before = rig_cpu() if rig_cpu is not None and side == "kvtier" else None
+            play = partial(run_one_by_one, server.url, "model", workload, before=hook)
             summary, tiers, turns = _run_side(server, play, after)
-            row[side] = {**asdict(summary), "tiers": tiers, "by_turn": turns}
-            rig = ""
-            if rig_cpu is not None and cpu_before is not None:
-                used = {k: v - cpu_before[k] for k, v in rig_cpu().items()}
-                row[side]["rig_cpu_s"] = used
-                rig = ", CPU s of " + ", ".join(f"the {k} {v:.2f}" for k, v in used.items())
-            brief = _brief(summary)
-            print(f"   {workload.name} rate {rate:.3f}/s {side}: {brief}{rig}", flush=True)
-        runs.append(row)
-    idle_ttft = idle["vllm"]["ttft_p90_s"]
+            idle[side] = {**asdict(summary), "tiers": tiers, "by_turn": turns}
+        if not rates:  # vLLM alone's first one-at-a-time rate: one over its time a request
+            per_request_s = idle["vllm"]["span_s"] / idle["vllm"]["requests"]
+            rates = [f / per_request_s for f in setup.rate_fractions]
+        runs: list[dict[str, Any]] = []
+        for i, rate in enumerate(rates):
+            # JSON has no infinity: all at once is a rate of null
+            row: dict[str, Any] = {"rate": rate if math.isfinite(rate) else None}
+            for side in SIDES if (i + r) % 2 == 0 else SIDES[::-1]:
+                server, (hook, after) = servers[side], hooks[side]
+                play = partial(run_load, server.url, "model", workload, rate, seed=i, before=hook)
+                cpu_before = rig_cpu() if rig_cpu is not None and side == "kvtier" else None
+                summary, tiers, turns = _run_side(server, play, after)
+                row[side] = {**asdict(summary), "tiers": tiers, "by_turn": turns}
+                rig = ""
+                if rig_cpu is not None and cpu_before is not None:
+                    used = {k: v - cpu_before[k] for k, v in rig_cpu().items()}
+                    row[side]["rig_cpu_s"] = used
+                    rig = ", CPU s of " + ", ".join(f"the {k} {v:.2f}" for k, v in used.items())
+                brief = _brief(summary)
+                print(f"   {workload.name} rate {rate:.3f}/s {side}: {brief}{rig}", flush=True)
+            runs.append(row)
+        played.append({"idle": idle, "runs": runs})
+    idle, runs = played[0]["idle"], played[0]["runs"]
+    idle_ttft = statistics.median(p["idle"]["vllm"]["ttft_p90_s"] for p in played)
     return {
         "requests": workload.requests,
         "idle": idle,
         "idle_ttft_p90_s": {side: idle[side]["ttft_p90_s"] for side in SIDES},
         "runs": runs,
-        "verdict": verdicts(workload.name, runs, idle_ttft),
+        "repeats": played[1:],
+        "comparisons": comparisons(played),
+        "verdict": verdicts(workload.name, median_runs(played), idle_ttft),
     }
+
+
+# the figures compared over repeats: kvtier's median over vLLM alone's, with the spread
+COMPARED = ("requests_per_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s")
+
+
+def _phases(played: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(label, that phase's result in each repeat): "idle", then each run by its rate
+    (vLLM alone's rate in the first repeat; the same in every repeat)."""
+    phases = [("idle", [p["idle"] for p in played])]
+    for i, run in enumerate(played[0]["runs"]):
+        label = "inf" if run["rate"] is None else f"{run['rate']:.3f}"
+        phases.append((label, [p["runs"][i] for p in played]))
+    return phases
+
+
+def comparisons(played: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per phase and figure (COMPARED): kvtier's median over the repeats against vLLM
+    alone's, the larger of the two sides' spreads, and whether the gap is larger than
+    the spread (`peer_figures.Comparison`; one repeat has no spread, so nothing it
+    shows is decisive)."""
+    return {
+        label: {
+            figure: asdict(
+                Comparison.of([g["kvtier"][figure] for g in got], [g["vllm"][figure] for g in got])
+            )
+            for figure in COMPARED
+        }
+        for label, got in _phases(played)
+    }
+
+
+def median_runs(played: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs at each rate with each side's figures (COMPARED) the medians over the
+    repeats: what the verdicts judge."""
+    out = []
+    for _, got in _phases(played)[1:]:
+        row: dict[str, Any] = {"rate": got[0]["rate"]}
+        for side in SIDES:
+            row[side] = {f: statistics.median(g[side][f] for g in got) for f in COMPARED}
+        out.append(row)
+    return out
 
 
 def _brief(s: LoadSummary) -> str:
@@ -375,6 +440,30 @@ def verdict_line(result: dict[str, Any]) -> str:
     )
 
 
+def comparison_lines(result: dict[str, Any]) -> list[str]:
+    """One line per phase: each figure's ratio over the repeats, with its spread."""
+    lines = []
+    for phase, figures in result["comparisons"].items():
+        parts = []
+        for figure, c in figures.items():
+            spread = "-" if c["spread"] is None else f"{c['spread']:.0%}"
+            mark = "" if c["decisive"] else "~"
+            parts.append(f"{figure.removesuffix('_s')} {mark}x{c['ratio']:.2f} ({spread})")
+        lines.append(f"{phase}: " + ", ".join(parts))
+    return lines
+
+
+def parse_repeats(text: str) -> int:
+    """`--repeats`: a whole number >= 1."""
+    try:
+        repeats = int(text)
+    except ValueError:
+        repeats = 0
+    if repeats < 1:
+        raise ValueError(f"--repeats {text!r}; a whole number >= 1")
+    return repeats
+
+
 def parse_rates(text: str) -> tuple[float, ...]:
     """`--rates`: fractions of vLLM alone's one-at-a-time rate, increasing."""
     rates = []
@@ -407,9 +496,16 @@ def main(argv: list[str] | None = None) -> None:
         help="rates as fractions of vLLM alone's one-at-a-time rate, comma list of "
         "numbers > 0 or inf (default: the setup's)",
     )
+    parser.add_argument(
+        "--repeats",
+        default="1",
+        help="play each workload (one at a time and every rate) this many times, the "
+        "side going first alternating; ratios are medians, with the spread (default 1)",
+    )
     args = parser.parse_args(argv)
     setup = quick_setup() if args.quick else full_setup()
     try:
+        repeats = parse_repeats(args.repeats)
         profiles = parse_profiles(args.profiles)
         if args.rates is not None:
             setup = replace(setup, rate_fractions=parse_rates(args.rates))
@@ -424,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serving-") as tmp, \
             warnings.catch_warnings():  # fmt: skip
         warnings.simplefilter("ignore")
-        result = bench(setup, Path(tmp), only, profiles)
+        result = bench(setup, Path(tmp), only, profiles, repeats)
     name = "serving-quick" if args.quick else "serving"
     if [p.name for p in profiles] != ["cpu"]:
         name += "-profiles"

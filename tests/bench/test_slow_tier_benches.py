@@ -7,7 +7,14 @@ from __future__ import annotations
 import math
 
 import pytest
-from benchmarks.bench_serving import by_turn, parse_rates
+from benchmarks.bench_serving import (
+    by_turn,
+    comparison_lines,
+    comparisons,
+    median_runs,
+    parse_rates,
+    parse_repeats,
+)
 from benchmarks.serving_profiles import TierProfile, parse_profile, parse_profiles
 from benchmarks.vllm_crossover import SIDES, TOKENS, Request, plan, summarize
 
@@ -133,3 +140,51 @@ def test_serving_runs_give_first_turns_and_later_ones_apart() -> None:
         "requests": 1, "ttft_p50_s": 0.2, "ttft_mean_s": 0.2, "cached_tokens": 64
     }  # fmt: skip
     assert by_turn([answer(1, 0.2, 0)]).keys() == {"later"}
+
+
+def _played(kvtier_rps: list[float], vllm_rps: list[float]) -> list[dict[str, object]]:
+    """Repeats of one workload: one at a time and one rate (all at once), both sides
+    with the given requests/s in each repeat and the TTFTs 0.5 s (kvtier) and 1 s."""
+
+    def side(rps: float, ttft: float) -> dict[str, float]:
+        return {"requests_per_s": rps, "ttft_mean_s": ttft, "ttft_p50_s": ttft,
+                "ttft_p90_s": ttft}  # fmt: skip
+
+    return [
+        {
+            "idle": {"kvtier": side(k, 0.5), "vllm": side(v, 1.0)},
+            "runs": [{"rate": None, "kvtier": side(k, 0.5), "vllm": side(v, 1.0)}],
+        }
+        for k, v in zip(kvtier_rps, vllm_rps, strict=True)
+    ]
+
+
+def test_serving_repeats_are_compared_by_medians_and_judged_against_their_spread() -> None:
+    played = _played([2.0, 2.2, 1.8], [1.0, 1.1, 0.9])
+    got = comparisons(played)
+    assert got.keys() == {"idle", "inf"}
+    rps = got["inf"]["requests_per_s"]
+    assert rps["ratio"] == pytest.approx(2.0)
+    assert rps["spread"] == pytest.approx(0.2)  # (2.2 - 1.8) / 2.0, and the same for vLLM
+    assert rps["decisive"]
+    assert got["idle"]["ttft_p90_s"] == {"ratio": 0.5, "spread": 0.0, "decisive": True}
+    close = comparisons(_played([1.0, 1.3], [1.1, 1.0]))["inf"]["requests_per_s"]
+    assert close["ratio"] == pytest.approx(1.15 / 1.05)
+    assert not close["decisive"]  # 9.5% apart, repeats 26% apart
+    lines = comparison_lines({"comparisons": comparisons(_played([1.0, 1.3], [1.1, 1.0]))})
+    assert lines[1].startswith("inf: requests_per ~x1.10 (26%), ttft_mean x0.50 (0%)")
+    single = comparisons(_played([2.0], [1.0]))["inf"]["requests_per_s"]
+    assert single["spread"] is None and not single["decisive"]  # one repeat: no spread
+    assert median_runs(played) == [
+        {"rate": None, "kvtier": {"requests_per_s": 2.0, "ttft_mean_s": 0.5, "ttft_p50_s": 0.5,
+                                  "ttft_p90_s": 0.5},
+         "vllm": {"requests_per_s": 1.0, "ttft_mean_s": 1.0, "ttft_p50_s": 1.0,
+                  "ttft_p90_s": 1.0}}
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "two", "1.5", ""])
+def test_a_repeat_count_that_is_not_a_whole_number_of_at_least_one_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match=f"--repeats {text!r}; a whole number >= 1"):
+        parse_repeats(text)
+    assert parse_repeats("3") == 3

@@ -260,6 +260,7 @@ class LoadSummary:
     span_s: float
     requests_per_s: float
     output_tokens_per_s: float
+    ttft_mean_s: float
     ttft_p50_s: float
     ttft_p90_s: float
     ttft_p99_s: float
@@ -283,6 +284,7 @@ class LoadSummary:
             span_s=span,
             requests_per_s=len(ok) * per_s,
             output_tokens_per_s=sum(a.output_tokens for a in ok) * per_s,
+            ttft_mean_s=sum(ttft) / len(ttft) if ttft else 0.0,
             ttft_p50_s=percentile(ttft, 50),
             ttft_p90_s=percentile(ttft, 90),
             ttft_p99_s=percentile(ttft, 99),
