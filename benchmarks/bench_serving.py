@@ -140,11 +140,16 @@ def _nothing() -> None:
 
 def by_turn(answers: list[Answer]) -> dict[str, dict[str, float]]:
     """TTFT of conversations' first turns (nothing of theirs to reuse) and of the later
-    ones (a history to load or recompute), apart: a side that wins the later turns and
-    loses the first shows it (the percentiles over all requests mix the two)."""
+    ones (a history to load or recompute), apart, and of each later turn (`turn_2`...:
+    the shortest histories save the least): a side that wins the later turns and loses
+    the first shows it (the percentiles over all requests mix the two)."""
+    ok = [a for a in answers if a.ok]
+    groups = [("first", [a for a in ok if a.turn == 0]), ("later", [a for a in ok if a.turn > 0])]
+    later_turns = sorted({a.turn for a in ok if a.turn > 0})
+    if len(later_turns) > 1:  # and each later turn apart: a history of one turn, of two...
+        groups += [(f"turn_{t + 1}", [a for a in ok if a.turn == t]) for t in later_turns]
     out: dict[str, dict[str, float]] = {}
-    for name, group in (("first", [a for a in answers if a.ok and a.turn == 0]),
-                        ("later", [a for a in answers if a.ok and a.turn > 0])):  # fmt: skip
+    for name, group in groups:
         if group:
             ttft = [a.ttft_s for a in group]
             out[name] = {
@@ -357,16 +362,17 @@ def comparisons(played: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
     """Per phase and figure (COMPARED): kvtier's median over the repeats against vLLM
     alone's, the larger of the two sides' spreads, and whether the gap is larger than
     the spread (`peer_figures.Comparison`; one repeat has no spread, so nothing it
-    shows is decisive)."""
-    return {
-        label: {
-            figure: asdict(
-                Comparison.of([g["kvtier"][figure] for g in got], [g["vllm"][figure] for g in got])
-            )
-            for figure in COMPARED
-        }
-        for label, got in _phases(played)
-    }
+    shows is decisive); and each repeat's ratio (`per_repeat`)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for label, got in _phases(played):
+        out[label] = {}
+        for figure in COMPARED:
+            ours, theirs = [g["kvtier"][figure] for g in got], [g["vllm"][figure] for g in got]
+            # each repeat's own ratio too: the sides ran back to back, so a drift of the
+            # machine between repeats moves both and leaves these alone
+            paired = [a / b if b else math.nan for a, b in zip(ours, theirs, strict=True)]
+            out[label][figure] = asdict(Comparison.of(ours, theirs)) | {"per_repeat": paired}
+    return out
 
 
 def median_runs(played: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -448,7 +454,10 @@ def comparison_lines(result: dict[str, Any]) -> list[str]:
         for figure, c in figures.items():
             spread = "-" if c["spread"] is None else f"{c['spread']:.0%}"
             mark = "" if c["decisive"] else "~"
-            parts.append(f"{figure.removesuffix('_s')} {mark}x{c['ratio']:.2f} ({spread})")
+            paired = "/".join(f"{r:.2f}" for r in c["per_repeat"])
+            parts.append(
+                f"{figure.removesuffix('_s')} {mark}x{c['ratio']:.2f} ({spread}; {paired})"
+            )
         lines.append(f"{phase}: " + ", ".join(parts))
     return lines
 

@@ -139,7 +139,12 @@ def test_serving_runs_give_first_turns_and_later_ones_apart() -> None:
     assert turns["later"] == {
         "requests": 1, "ttft_p50_s": 0.2, "ttft_mean_s": 0.2, "cached_tokens": 64
     }  # fmt: skip
+    assert turns.keys() == {"first", "later"}  # one later turn answered: nothing to split
     assert by_turn([answer(1, 0.2, 0)]).keys() == {"later"}
+    three = by_turn([answer(0, 0.1, 0), answer(1, 0.2, 64), answer(1, 0.4, 64), answer(2, 0.3, 96)])
+    assert three.keys() == {"first", "later", "turn_2", "turn_3"}
+    assert three["turn_2"]["ttft_mean_s"] == pytest.approx(0.3)
+    assert three["turn_3"]["cached_tokens"] == 96 and three["later"]["requests"] == 3
 
 
 def _played(kvtier_rps: list[float], vllm_rps: list[float]) -> list[dict[str, object]]:
@@ -167,12 +172,15 @@ def test_serving_repeats_are_compared_by_medians_and_judged_against_their_spread
     assert rps["ratio"] == pytest.approx(2.0)
     assert rps["spread"] == pytest.approx(0.2)  # (2.2 - 1.8) / 2.0, and the same for vLLM
     assert rps["decisive"]
-    assert got["idle"]["ttft_p90_s"] == {"ratio": 0.5, "spread": 0.0, "decisive": True}
+    assert got["idle"]["ttft_p90_s"] == {
+        "ratio": 0.5, "spread": 0.0, "decisive": True, "per_repeat": [0.5, 0.5, 0.5]
+    }  # fmt: skip
+    assert rps["per_repeat"] == pytest.approx([2.0, 2.0, 2.0])
     close = comparisons(_played([1.0, 1.3], [1.1, 1.0]))["inf"]["requests_per_s"]
     assert close["ratio"] == pytest.approx(1.15 / 1.05)
     assert not close["decisive"]  # 9.5% apart, repeats 26% apart
     lines = comparison_lines({"comparisons": comparisons(_played([1.0, 1.3], [1.1, 1.0]))})
-    assert lines[1].startswith("inf: requests_per ~x1.10 (26%), ttft_mean x0.50 (0%)")
+    assert lines[1].startswith("inf: requests_per ~x1.10 (26%; 0.91/1.30), ttft_mean x0.50 (0%;")
     single = comparisons(_played([2.0], [1.0]))["inf"]["requests_per_s"]
     assert single["spread"] is None and not single["decisive"]  # one repeat: no spread
     assert median_runs(played) == [
