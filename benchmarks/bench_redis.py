@@ -24,7 +24,8 @@ and 2 MiB blocks, each round writes then reads the same blocks in jobs of
 One round trip per job on every side.
 Sides alternate job by job (so all see the same background noise); the best
 repetition of each counts (the machine is shared and noisy).
-Target: tier >= 70% of plain in both directions. The lookups compare a prefix walk of
+Target: tier >= 70% of plain in both directions. `cpu_seconds_per_gb`: the client's own
+CPU (this thread's) per GB moved, each side. The lookups compare a prefix walk of
 one value per block, of one value per head, and plain pipelined EXISTS.
 """
 
@@ -110,10 +111,12 @@ def layout_for(block_bytes: int) -> KVLayout:
     )
 
 
-def timed(fn: Callable[[int], None], job: int) -> float:
-    start = time.perf_counter()
+def timed(fn: Callable[[int], None], job: int) -> tuple[float, float]:
+    """Wall and CPU seconds (this thread's, user and system: the client's own work,
+    which runs on an engine's cores where a store shares them with its compute)."""
+    start, cpu = time.perf_counter(), time.thread_time()
     fn(job)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.thread_time() - cpu
 
 
 def bench_size(
@@ -205,17 +208,23 @@ def bench_size(
         sides["cross_last"] = (lambda n: None, cross_last_load)
         sides["gather"] = (gather_store, gather_load)
     times: dict[str, list[float]] = {f"{s}_{d}": [] for s in sides for d in ("store", "load")}
+    cpu_times: dict[str, list[float]] = {key: [] for key in times}
     for _ in range(repeats):
         plain.flushall()
         for direction in (0, 1):  # all stores, then all loads
             spent = dict.fromkeys(sides, 0.0)
+            cpu = dict.fromkeys(sides, 0.0)
             for n in range(len(batches)):
                 # rotate which side goes first, job by job: all see the same noise
                 order, first = sorted(sides), n % len(sides)
                 for side in order[first:] + order[:first]:
-                    spent[side] += timed(sides[side][direction], n)
+                    wall, used = timed(sides[side][direction], n)
+                    spent[side] += wall
+                    cpu[side] += used
             for side, seconds in spent.items():
-                times[f"{side}_{('store', 'load')[direction]}"].append(seconds)
+                key = f"{side}_{('store', 'load')[direction]}"
+                times[key].append(seconds)
+                cpu_times[key].append(cpu[side])
     assert np.array_equal(dest, rows), "tier load returned different bytes"
     if half:
         assert np.array_equal(halves, rows[:, : block_bytes // 2]), "cross load: other bytes"
@@ -256,6 +265,13 @@ def bench_size(
         "median_gb_per_s": {
             k: total / float(np.median(v)) / 1e9 / (2 if k.startswith("cross") else 1)
             for k, v in times.items()
+            if k not in loads_only
+        },
+        # the client's CPU per GB moved (median over the repeats): what the engine's
+        # cores pay for the tier, beside what the redis-server pays on its own
+        "cpu_seconds_per_gb": {
+            k: float(np.median(v)) / (total / 1e9)
+            for k, v in cpu_times.items()
             if k not in loads_only
         },
         "store_ratio": gbps["tier_store"] / gbps["plain_store"],
