@@ -9,7 +9,6 @@ import pytest
 from kvtier.connector.cost_model import (
     MAX_PREFETCH_BLOCKS,
     MIN_DEADLINE_S,
-    PRIOR_OTHERS_SHARE,
     PROBE_EVERY,
     CostConfig,
     CostModel,
@@ -83,8 +82,7 @@ def test_a_lookup_is_waited_for_no_longer_than_it_could_save() -> None:
     cost = model()
     cost.observe_step(TOKENS * 10, 1.0)  # 0.1 s per block
     cost.observe_round_trip("redis", 0.05)
-    assert cost.wait_budget_s("redis", 4, stored=True) == pytest.approx(0.4 - 0.05)
-    assert cost.wait_budget_s("redis", 4) == pytest.approx((0.4 - 0.05) * PRIOR_OTHERS_SHARE)
+    assert cost.wait_budget_s("redis", 4) == pytest.approx(0.4 - 0.05)
     assert not cost.lookup_too_slow("redis", 4)
     cost.observe_round_trip("redis", 50.0)  # one very slow answer moves the average past it
     assert cost.lookup_too_slow("redis", 4)
@@ -156,9 +154,7 @@ def test_only_a_fast_tier_is_waited_for_in_place_and_never_past_what_it_could_sa
     cost.observe_step(TOKENS * 10, 0.01)  # 1 ms a block to recompute
     cost.observe_round_trip("redis", cap / 4)
     assert cost.sync_wait_s("redis", 8, 0.0) == cap  # could save up to 8 ms
-    assert cost.sync_wait_s("redis", 1, 0.0, stored=True) == pytest.approx(1e-3 - cap / 4)
-    # a block another engine stored: as likely there as not, and waited for that much
-    assert cost.sync_wait_s("redis", 1, 0.0) == pytest.approx((1e-3 - cap / 4) / 2)
+    assert cost.sync_wait_s("redis", 1, 0.0) == pytest.approx(1e-3 - cap / 4)
     assert cost.sync_wait_s("redis", 8, 1.0) == 0.0  # waited longer than it could save
     cost.observe_round_trip("redis", 1.0)  # slowed down: deferring beats waiting in place
     assert cost.sync_wait_s("redis", 8, 0.0) == 0.0
@@ -169,17 +165,16 @@ def test_only_a_fast_tier_is_waited_for_in_place_and_never_past_what_it_could_sa
 def test_a_lookup_is_waited_for_as_long_as_it_is_expected_to_save() -> None:
     cost = model()
     cost.observe_step(TOKENS * 10, 0.1)  # 10 ms a block: 10 blocks could save 0.1 s
-    assert cost.hit_share("redis") == PRIOR_OTHERS_SHARE == 0.5
-    assert cost.wait_budget_s("redis", 10) == pytest.approx(0.05)
+    assert cost.hit_share("redis") == 1.0
+    assert cost.wait_budget_s("redis", 10) == pytest.approx(0.1)
     for _ in range(10):  # no reuse: every first lookup misses
         cost.observe_lookup("redis", False)
-    assert cost.hit_share("redis") == pytest.approx(0.5 * 0.8**10)
-    assert cost.wait_budget_s("redis", 10) == pytest.approx(0.05 * 0.8**10)
-    cost.observe_round_trip("redis", 0.01)
-    assert cost.lookup_too_slow("redis", 10)  # 10 ms to expect to save about 5
-    for _ in range(3):  # prompts come back: the wait grows again
-        cost.observe_lookup("redis", True)
-    assert cost.hit_share("redis") == pytest.approx(0.5 * 0.8**13 + 1 - 0.8**3)
+    assert cost.hit_share("redis") == pytest.approx(0.8**10)
+    assert cost.wait_budget_s("redis", 10) == pytest.approx(0.1 * 0.8**10)
+    cost.observe_round_trip("redis", 0.02)
+    assert cost.lookup_too_slow("redis", 10)  # 20 ms to expect to save about 11
+    cost.observe_lookup("redis", True)  # prompts come back: the wait grows again
+    assert cost.hit_share("redis") == pytest.approx(0.8**11 + 0.2)
     assert not cost.lookup_too_slow("redis", 10)
     assert cost.gauges()["cost_lookup_hit_share", "redis"] == cost.hit_share("redis")
 
@@ -235,12 +230,10 @@ def test_a_lookup_that_carries_its_run_is_waited_for_as_long_as_the_recompute() 
     assert cost.lookup_too_slow("redis", 16)  # 0.32 - 0.2 s to save: not worth 0.2 s
     cost.observe_load("redis", 16, 0.2 + 16 * 0.001)
     assert cost.prefetch_blocks("redis") == 100
-    assert cost.wait_budget_s("redis", 16, stored=True) == pytest.approx(0.32)
-    assert not cost.lookup_too_slow("redis", 16, stored=True)
-    assert cost.lookup_too_slow("redis", 16)  # a new prompt's: a hit only half the time
+    assert cost.wait_budget_s("redis", 16) == pytest.approx(0.32)
+    assert not cost.lookup_too_slow("redis", 16)
     # past what a lookup carries, the rest costs a round trip of its own
-    expected = 116 * 0.02 - 0.2 - 16 * 0.001
-    assert cost.wait_budget_s("redis", 116, stored=True) == pytest.approx(expected)
+    assert cost.wait_budget_s("redis", 116) == pytest.approx(116 * 0.02 - 0.2 - 16 * 0.001)
 
 
 def test_lookups_of_blocks_stored_here_and_of_others_have_their_own_hit_shares() -> None:
@@ -249,9 +242,8 @@ def test_lookups_of_blocks_stored_here_and_of_others_have_their_own_hit_shares()
     cost.observe_round_trip("redis", 0.05)
     for _ in range(10):
         cost.observe_lookup("redis", False)  # new prompts
-    assert cost.hit_share("redis", stored=True) == 1.0  # its prior: stored here, there
     cost.observe_lookup("redis", True, stored=True)
-    assert cost.hit_share("redis") == pytest.approx(0.5 * 0.8**10)
+    assert cost.hit_share("redis") == pytest.approx(0.8**10)
     assert cost.hit_share("redis", stored=True) == 1.0
     assert cost.lookup_too_slow("redis", 4)  # 0.35 s at best, times 0.11
     assert not cost.lookup_too_slow("redis", 4, stored=True)

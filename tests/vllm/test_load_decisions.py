@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvtier.connector import cost_model
-from kvtier.connector.cost_model import PRIOR_OTHERS_SHARE, CostConfig
+from kvtier.connector.cost_model import CostConfig
 from kvtier.remote.shaping_proxy import LinkProfile, ShapingProxy
 from tests.remote.conftest import RedisServer, serve_redis
 from tests.remote.test_head_keys import calls
@@ -361,17 +361,15 @@ def test_the_answers_of_requests_that_went_on_without_them_still_count(
     assert cost is not None
     proxy.reshape(LinkProfile.round_trip(SLOW))
     recompute_per_block(reader, 0.001)
-    weight = CostConfig().smoothing
     assert settle(reader, keys[:1], ReqContext(req_id="measure")) == 0  # a hit, too slow
-    hit = PRIOR_OTHERS_SHARE + weight * (1 - PRIOR_OTHERS_SHARE)
-    assert cost.hit_share("redis") == pytest.approx(hit)
+    assert cost.hit_share("redis") == 1.0
     new = keys_of(3, start=8000)
     assert scan(reader, new, told_prompt(reader, new, "went-on")) == 0  # did not wait
-    assert cost.hit_share("redis") == pytest.approx(hit)  # its answer is not in yet
+    assert cost.hit_share("redis") == 1.0  # its answer is not in yet
     assert reader.manager.wait_lookups(timeout=30)
     other = keys_of(3, start=8100)
     assert scan(reader, other, told_prompt(reader, other, "next")) == 0
-    assert cost.hit_share("redis") == pytest.approx(hit * (1 - weight))  # one miss
+    assert cost.hit_share("redis") == pytest.approx(1 - CostConfig().smoothing)  # one miss
     assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
 
 
@@ -412,7 +410,6 @@ def test_a_run_its_lookup_carried_is_waited_for_and_loaded_without_a_round_trip(
     proxy.reshape(LinkProfile.round_trip(SLOW))
     for _ in range(40):  # what the round trips and a load through the link measure
         cost.observe_round_trip("redis", SLOW)
-        cost.observe_lookup("redis", True)  # prompts another engine stored come back
     cost.observe_load("redis", 4, SLOW + 4 * 0.002)
     recompute_per_block(reader, 0.06)
     monkeypatch.setattr(cost_model, "PREFETCH_SHARE", 0.0)  # lookups carry nothing

@@ -64,8 +64,6 @@ PROBE_EVERY = 32
 # trip, and at most MAX_PREFETCH_BLOCKS (`prefetch_blocks`)
 PREFETCH_SHARE = 0.5
 MAX_PREFETCH_BLOCKS = 128
-# the hit share of lookups of blocks another engine stored, before the first answer
-PRIOR_OTHERS_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -195,30 +193,23 @@ class CostModel:
         engine stored that block in the tier itself (see `hit_share`)."""
         key = _share_key(tier, stored)
         share = self.lookup_hits.get(key)
-        if share is None:
+        if share is None:  # from a prior of 1: one miss does not stop the waiting
             share = self.lookup_hits[key] = MovingAverage(self.config.smoothing)
-            share.value = _prior_share(stored)
+            share.value = 1.0
         share.add(1.0 if found else 0.0)
 
     def hit_share(self, tier: str, stored: bool = False) -> float:
-        """The moving share of requests whose first lookup of `tier` found a block (each
-        answer moves it by `smoothing`: about ten misses in a row cut the wait tenfold).
-        Two shares: of blocks this engine stored in the tier itself (`stored`), which
-        come back unless evicted, and of the others, which only another engine (or this
-        engine's life before a restart) may have stored. Kept as one, a conversation's
-        returning turns did not wait for their history after a run of new conversations
-        (twelve cold first turns took the share to a tenth), and new prompts waited for
-        nothing after a run of returning ones.
-
-        Their priors differ for the same reason: a block this engine stored is assumed
-        there (1), another engine's as likely there as not (PRIOR_OTHERS_SHARE). From a
-        prior of 1, with no reuse through a link adding 0.2 s, the first four cold
-        prompts each waited a round trip for a miss before the share fell below what
-        waiting costs (one at a time, TTFT p90 1.40x vLLM alone's); from a half, only
-        the first waits, and a tier that does hold others' blocks (a shared tier, a
-        restart) takes the share back up within a few hits."""
+        """The moving share of requests whose first lookup of `tier` found a block, from
+        a prior of 1 (a tier never asked is assumed to have what is asked: each miss
+        then takes `smoothing` of the share away, so about ten in a row cut the wait
+        tenfold). Two shares: of blocks this engine stored in the tier itself
+        (`stored`), which come back unless evicted, and of the others, which only
+        another engine may have stored. Kept as one, a conversation's returning turns
+        did not wait for their history after a run of new conversations (twelve cold
+        first turns took the share to a tenth), and new prompts waited for nothing
+        after a run of returning ones."""
         share = self.lookup_hits.get(_share_key(tier, stored))
-        return _prior_share(stored) if share is None or share.value is None else share.value
+        return 1.0 if share is None or share.value is None else share.value
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """An engine step that computed `num_tokens` tokens in `seconds`. Steps of fewer
@@ -381,11 +372,6 @@ class CostModel:
         if per_block is not None:
             out["cost_recompute_block_seconds", "engine"] = per_block
         return out
-
-
-def _prior_share(stored: bool) -> float:
-    """A hit share before its first answer (see `CostModel.hit_share`)."""
-    return 1.0 if stored else PRIOR_OTHERS_SHARE
 
 
 def _share_key(tier: str, stored: bool) -> str:
