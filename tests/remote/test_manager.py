@@ -474,3 +474,40 @@ def test_a_reset_moves_to_a_key_epoch_that_peers_share_once_they_reset(
             epoch_salt(-1)
     finally:
         tier.close()
+
+
+def test_an_answer_in_before_this_engine_stored_the_block_is_not_handed_out() -> None:
+    """A conversation's turn missed and went on without its answer; its next turn came
+    back within max_age_s (one at a time, six conversations of 0.3 s each) and was handed
+    that miss for the history this engine had stored since: recomputed. A store drops
+    the answers already in that asked about the block, of one block or of several; a
+    question still in flight is left to its round trip."""
+    store = _CountingStore(answer=0)
+    lookups = AsyncLookups(cast(Any, store), None, max_age_s=60.0)
+    try:
+        for question in (H[:1], H[1:2], H[2:4], H[5:6]):
+            assert lookups.lookup(question) is None
+        assert lookups.wait(timeout=30)
+        store.answer = 1
+        lookups.stored([H[0], H[3]])  # H[1:2] and H[5:6] not stored: their answers stand
+        # what the tier said when asked stays there to peek at (the hit share of requests
+        # that went on without their answers counts it)
+        assert [lookups.peek(q) for q in (H[:1], H[2:4], H[1:2], H[5:6])] == [0, 0, 0, 0]
+        assert lookups.lookup(H[:1]) is None  # asked again, not the stale miss
+        assert lookups.lookup(H[2:4]) is None
+        assert lookups.lookup(H[1:2]) == 0
+        assert lookups.wait(timeout=30)
+        assert (lookups.lookup(H[:1]), lookups.lookup(H[2:4])) == (1, 1)
+    finally:
+        lookups.close()
+
+
+def test_a_manager_store_refreshes_a_miss_answered_before_it(redis_server: RedisServer) -> None:
+    with tier_for(redis_server) as tier:
+        manager = tier.manager(async_lookup=True, synthetic_payload_bytes=32)
+        assert manager.lookup(H[:1]) is None  # a cold prompt asks and goes on without it
+        assert manager.wait_lookups(timeout=30)
+        store_all(manager, H[:1])  # then computes the block and stores it
+        assert manager.lookup(H[:1]) is None  # the next turn's question is asked afresh
+        assert manager.wait_lookups(timeout=30)
+        assert manager.lookup(H[:1]) == 1

@@ -33,7 +33,14 @@ round trip is timed on the lookups that carried nothing (every miss).
 
 An answer nobody collected (the request went away first) is not handed out later: one
 older than `max_age_s` is asked again, since the blocks may have been stored or evicted
-since (a stale hit costs a failed load, a stale miss a recompute).
+since (a stale hit costs a failed load, a stale miss a recompute). A block this engine
+stored itself makes every answer already in that asked about it stale (`stored`): a
+turn of a conversation that missed went on without its answer, and when the next turn
+came back within `max_age_s` (one at a time, six conversations of 0.3 s each) it was
+handed that miss for the history this engine had stored since, and recomputed it. A
+stale answer is still what the tier said when asked (`peek` gives it: the hit share of
+the requests that went on without their answers counts it), but never an answer to a
+question asked again.
 """
 
 from __future__ import annotations
@@ -75,6 +82,11 @@ class AsyncLookups:
         self.max_age_s = max_age_s
         self._clock = clock
         self._pending: OrderedDict[tuple[BlockHash, ...], Future[_Answer]] = OrderedDict()
+        # the pending questions of more than one block (`stored` finds them without
+        # reading every question: vLLM's are of one block each)
+        self._multi: set[tuple[BlockHash, ...]] = set()
+        # answered questions about blocks stored since (`stored`): asked again, not handed out
+        self._stale: set[tuple[BlockHash, ...]] = set()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
         self._seconds: deque[float] = deque(maxlen=max_pending)  # appended off-thread
         # questions not sent yet: (block hashes, salt, future); taken by the thread
@@ -108,9 +120,13 @@ class AsyncLookups:
         future = self._pending.get(key)
         if future is None:
             if len(self._pending) >= self.max_pending:
-                _, forgotten = self._pending.popitem(last=False)
+                oldest, forgotten = self._pending.popitem(last=False)
+                self._multi.discard(oldest)
+                self._stale.discard(oldest)
                 forgotten.cancel()  # no answer will be asked for: don't queue its round trip
             future = self._pending[key] = Future()
+            if len(key) > 1:
+                self._multi.add(key)
             with self._lock:
                 self._queued.append((list(block_hashes), self.salt, future))
             self._unsent = True
@@ -120,18 +136,35 @@ class AsyncLookups:
         if not future.done():
             return None
         del self._pending[key]
+        self._multi.discard(key)
+        stale = key in self._stale
+        self._stale.discard(key)
         try:
             found, answered_at = future.result()
         except Exception:  # the store never raises; a bug must not reach the scheduler
             log.exception("remote tier: background lookup failed; answering a miss")
             return 0
-        if self._clock() - answered_at > self.max_age_s:
+        if stale or self._clock() - answered_at > self.max_age_s:
             return self.lookup(block_hashes)  # left uncollected: asked again
         if found is None:  # the server gave no answer
             if self.store.breaker.rejecting():
                 return 0  # the tier is down: a miss, until the breaker lets calls through
             return self.lookup(block_hashes)  # not known: asked again
         return found
+
+    def stored(self, block_hashes: Sequence[BlockHash]) -> None:
+        """These blocks were stored in the tier since: answers already in that asked
+        about any of them are stale (asked again if wanted, still there to `peek`; see
+        the module docstring). A question still in flight keeps its round trip, which
+        may have seen the store."""
+        if not self._pending:
+            return
+        hashes = set(block_hashes)
+        keys = [(h,) for h in hashes] + [k for k in self._multi if not hashes.isdisjoint(k)]
+        for key in keys:
+            future = self._pending.get(key)
+            if future is not None and future.done():
+                self._stale.add(key)
 
     def peek(self, block_hashes: Sequence[BlockHash]) -> int | None:
         """The answer to a question asked earlier, if it is in, without taking it (it
@@ -186,6 +219,8 @@ class AsyncLookups:
         for future in self._pending.values():
             future.cancel()
         self._pending.clear()
+        self._multi.clear()
+        self._stale.clear()
         self.salt = salt
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -198,3 +233,5 @@ class AsyncLookups:
         for future in self._pending.values():
             future.cancel()  # those never sent: nobody waits on them forever
         self._pending.clear()
+        self._multi.clear()
+        self._stale.clear()

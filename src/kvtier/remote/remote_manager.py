@@ -221,6 +221,8 @@ class RemoteOffloadingManager(OffloadingManager):
                 stored.move_to_end(h)
             while len(stored) > MAX_STORED_HERE:
                 stored.popitem(last=False)
+            if self._async is not None and hashes:
+                self._async.stored(hashes)  # a miss answered before the store is stale
         if success and hashes and self._events is not None:
             self._events.append(OffloadingEvent(hashes, self.block_size, MEDIUM, removed=False))
 
