@@ -236,6 +236,23 @@ def test_a_lookup_that_carries_its_run_is_waited_for_as_long_as_the_recompute() 
     assert cost.wait_budget_s("redis", 116) == pytest.approx(116 * 0.02 - 0.2 - 16 * 0.001)
 
 
+def test_a_lookup_that_carries_blocks_takes_longer_by_their_transfer() -> None:
+    """Through a link adding 0.2 s, a lookup carrying a 16-block history took 0.26 s
+    where a miss took 0.21 s: a history that recomputes in 0.22 s is not worth it, though
+    the round trip alone is shorter (a second turn waited and lost ~0.05 s)."""
+    cost = model()
+    cost.observe_step(TOKENS * 10, 0.14)  # 14 ms a block: 16 of them in 0.224 s
+    cost.observe_round_trip("redis", 0.2)
+    cost.observe_load("redis", 16, 0.2 + 16 * 0.003)  # 3 ms a block past the round trip
+    assert cost.prefetch_blocks("redis") == 33  # the lookup carries all 16
+    assert cost.lookup_seconds("redis", 16) == pytest.approx(0.2 + 16 * 0.003)
+    assert cost.wait_budget_s("redis", 16) == pytest.approx(0.224)  # carried: no load after
+    assert cost.lookup_too_slow("redis", 16)  # 0.248 s to save 0.224 s
+    assert cost.lookup_seconds("redis", 40) == pytest.approx(0.2 + 33 * 0.003)
+    assert not cost.lookup_too_slow("redis", 40)  # 0.299 s to save 0.56 - 0.221 s
+    assert model().lookup_seconds("redis", 16) is None  # nothing measured
+
+
 def test_lookups_of_blocks_stored_here_and_of_others_have_their_own_hit_shares() -> None:
     cost = model()
     cost.observe_step(TOKENS * 10, 1.0)  # 0.1 s a block
