@@ -398,11 +398,11 @@ def test_a_run_its_lookup_carried_is_waited_for_and_loaded_without_a_round_trip(
     redis_proxy: tuple[RedisServer, ShapingProxy],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Through a link adding 0.2 s, a 4-block prompt that recomputes in 0.24 s: a lookup
+    """Through a link adding 0.2 s, a 4-block prompt that recomputes in 0.28 s: a lookup
     and then a load (0.4 s) lose to recomputing, and the request does not wait; where the
     lookup carries the blocks (`kvtier.remote.prefetch`: the scheduler and the worker in
-    one process, as an engine of one worker runs), it is waited for (0.2 s) and its load
-    reads nothing from Redis."""
+    one process, as an engine of one worker runs), it is waited for (0.21 s, inside the
+    margin, `cost_model.WAIT_MARGIN`) and its load reads nothing from Redis."""
     server, proxy = redis_proxy
     writer, reader, keys = writer_and_reader(engines, server, proxy)
     cost = reader.manager.cost
@@ -411,7 +411,7 @@ def test_a_run_its_lookup_carried_is_waited_for_and_loaded_without_a_round_trip(
     for _ in range(40):  # what the round trips and a load through the link measure
         cost.observe_round_trip("redis", SLOW)
     cost.observe_load("redis", 4, SLOW + 4 * 0.002)
-    recompute_per_block(reader, 0.06)
+    recompute_per_block(reader, 0.07)
     monkeypatch.setattr(cost_model, "PREFETCH_SHARE", 0.0)  # lookups carry nothing
     assert cost.prefetch_blocks("redis") == 0
     assert settle(reader, keys[:4], told_prompt(reader, keys[:4], "headers")) == 0
