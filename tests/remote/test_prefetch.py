@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,16 +40,30 @@ def carried(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> PrefetchedValues
     return values
 
 
-def one_worker(url: str) -> tuple[RemoteTier, HeadShardKVStore]:
+@pytest.fixture
+def tiers() -> Iterator[list[RemoteTier]]:
+    """The test's tiers, closed after it: a tier left open leaves its connections to be
+    finalised by whichever later test collects garbage (one that does, below, then
+    failed on another test's unclosed socket)."""
+    opened: list[RemoteTier] = []
+    yield opened
+    for tier in opened:
+        tier.close()
+
+
+def one_worker(url: str, tiers: list[RemoteTier]) -> tuple[RemoteTier, HeadShardKVStore]:
     """An engine of one worker: its tier and the worker's store (which loads here)."""
     tier = RemoteTier.from_url(url, SHARED, block_size=16, heads=HEADS)
+    tiers.append(tier)
     return tier, tier.head_store(row_layout(HEADS), HeadShard.of_rank(HEADS, 1, 0))
 
 
-def written(url: str, n: int) -> tuple[RemoteTier, HeadShardKVStore, list[BlockHash], list[bytes]]:
+def written(
+    url: str, n: int, tiers: list[RemoteTier]
+) -> tuple[RemoteTier, HeadShardKVStore, list[BlockHash], list[bytes]]:
     """`one_worker`, with `n` blocks it wrote."""
     hashes, data = blocks(n)
-    tier, worker = one_worker(url)
+    tier, worker = one_worker(url, tiers)
     worker.write_blocks(RemoteLoadStoreSpec(hashes), [memoryview(d) for d in data])
     return tier, worker, hashes, data
 
@@ -77,9 +93,9 @@ def load(worker: HeadShardKVStore, hashes: list[BlockHash], carried: int) -> lis
 
 
 def test_a_lookup_carries_its_first_blocks_and_their_load_needs_no_round_trip(
-    redis_server: RedisServer, carried: PrefetchedValues
+    redis_server: RedisServer, carried: PrefetchedValues, tiers: list[RemoteTier]
 ) -> None:
-    tier, worker, hashes, data = written(redis_server.url, 3)
+    tier, worker, hashes, data = written(redis_server.url, 3, tiers)
     client = redis_server.client()
     client.config_resetstat()
     assert ask(tier, hashes, fetch=2) == [1, 1, 1]
@@ -99,28 +115,31 @@ def test_a_lookup_carries_its_first_blocks_and_their_load_needs_no_round_trip(
 
 
 def test_a_block_evicted_after_its_lookup_carried_it_still_loads(
-    redis_server: RedisServer, carried: PrefetchedValues
+    redis_server: RedisServer, carried: PrefetchedValues, tiers: list[RemoteTier]
 ) -> None:
-    tier, worker, hashes, data = written(redis_server.url, 2)
+    tier, worker, hashes, data = written(redis_server.url, 2, tiers)
     assert ask(tier, hashes, fetch=2) == [1, 1]
     redis_server.client().flushall()
     assert load(worker, hashes, carried=2) == data
 
 
 def test_a_lookup_carries_nothing_where_no_worker_here_loads_whole_blocks(
-    redis_server: RedisServer, carried: PrefetchedValues
+    redis_server: RedisServer, carried: PrefetchedValues, tiers: list[RemoteTier]
 ) -> None:
     """The replay tool (no worker at all) and an engine some of whose workers do not
     take what a lookup carries (here a tensor-parallel engine's second worker, which
     never started) read headers only."""
-    tier, worker, hashes, data = written(redis_server.url, 2)
+    tier, worker, hashes, data = written(redis_server.url, 2, tiers)
     del worker
-    gc.collect()
+    with warnings.catch_warnings():  # other tests' unclosed sockets are not this one's
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()  # the worker's registration goes with it
     client = redis_server.client()
     client.config_resetstat()
     assert ask(tier, hashes, fetch=2) == [1, 1]
     assert "get" not in calls(client)
     two = RemoteTier.from_url(redis_server.url, SHARED, block_size=16, heads=HEADS, group_heads=2)
+    tiers.append(two)
     shard = HeadShard.of_rank(HEADS, 2, 0)
     part = two.head_store(row_layout(shard.count), shard)
     part.write_blocks(RemoteLoadStoreSpec(hashes), [memoryview(d[: 2 * HEAD_BYTES]) for d in data])
@@ -131,9 +150,9 @@ def test_a_lookup_carries_nothing_where_no_worker_here_loads_whole_blocks(
 
 
 def test_a_carried_value_is_verified_at_load_like_any_other(
-    redis_server: RedisServer, carried: PrefetchedValues
+    redis_server: RedisServer, carried: PrefetchedValues, tiers: list[RemoteTier]
 ) -> None:
-    tier, worker, hashes, _ = written(redis_server.url, 1)
+    tier, worker, hashes, _ = written(redis_server.url, 1, tiers)
     assert ask(tier, hashes, fetch=1) == [1]
     (path,) = carried.directory().glob("v*")
     value = path.read_bytes()
@@ -146,9 +165,9 @@ def test_a_carried_value_is_verified_at_load_like_any_other(
 
 
 def test_asynchronous_lookups_carry_what_the_connector_asks_and_a_load_says_so(
-    redis_server: RedisServer, carried: PrefetchedValues
+    redis_server: RedisServer, carried: PrefetchedValues, tiers: list[RemoteTier]
 ) -> None:
-    tier, _worker, hashes, _ = written(redis_server.url, 4)
+    tier, _worker, hashes, _ = written(redis_server.url, 4, tiers)
     manager = tier.manager(async_lookup=True)
     manager.fetch_with(lambda: 3)
     try:
