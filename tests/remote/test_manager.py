@@ -479,9 +479,10 @@ def test_a_reset_moves_to_a_key_epoch_that_peers_share_once_they_reset(
 def test_an_answer_in_before_this_engine_stored_the_block_is_not_handed_out() -> None:
     """A conversation's turn missed and went on without its answer; its next turn came
     back within max_age_s (one at a time, six conversations of 0.3 s each) and was handed
-    that miss for the history this engine had stored since: recomputed. A store drops
-    the answers already in that asked about the block, of one block or of several; a
-    question still in flight is left to its round trip."""
+    that miss for the history this engine had stored since: recomputed. A store makes
+    the answers already in that asked about the block stale, of one block or of
+    several: asked again, still there to peek at; a question still in flight is left to
+    its round trip."""
     store = _CountingStore(answer=0)
     lookups = AsyncLookups(cast(Any, store), None, max_age_s=60.0)
     try:

@@ -311,7 +311,7 @@ class CostModel:
         if recompute is None:
             return self.config.unmeasured_wait_s
         # the load after the lookup: of the blocks it does not carry (`prefetch_blocks`)
-        carried = min(num_blocks, self.prefetch_blocks(tier))
+        carried = self.carried_blocks(tier, num_blocks)
         load = self.load_seconds(tier, num_blocks, carried) or 0.0
         share = 1.0 if found else self.hit_share(tier, stored)
         return max(recompute - load, 0.0) * share
@@ -362,8 +362,11 @@ class CostModel:
         rtt = None if cost is None else cost.round_trip.value
         if cost is None or rtt is None:
             return None
-        carried = min(max(num_blocks, 0), self.prefetch_blocks(tier))
-        return rtt + carried * (cost.block_seconds.value or 0.0)
+        return rtt + self.carried_blocks(tier, num_blocks) * (cost.block_seconds.value or 0.0)
+
+    def carried_blocks(self, tier: str, num_blocks: int) -> int:
+        """How many of a lookup's `num_blocks` it carries (`prefetch_blocks`)."""
+        return min(max(num_blocks, 0), self.prefetch_blocks(tier))
 
     def lookup_too_slow(
         self, tier: str, num_blocks: int, found: bool = False, stored: bool = False
