@@ -273,6 +273,22 @@ def test_a_lookup_is_waited_for_only_where_it_saves_a_margin_more_than_it_takes(
     assert not cost.lookup_too_slow("redis", 20)
 
 
+def test_a_round_trip_still_on_its_way_is_a_floor_on_the_lookup() -> None:
+    """A lookup queued behind a round trip that has taken 0.35 s so far is not waited
+    for to save 0.4 s, whatever the round trips measured before it (or none) say."""
+    cost = model()
+    cost.observe_step(TOKENS * 10, 1.0)  # 0.1 s a block
+    assert not cost.lookup_too_slow("redis", 4, behind_s=0.3)  # 0.375 s to save 0.4
+    assert cost.lookup_too_slow("redis", 4, behind_s=0.35)  # no round trip measured
+    cost.observe_round_trip("redis", 0.001)
+    assert not cost.lookup_too_slow("redis", 4)
+    assert cost.lookup_too_slow("redis", 4, behind_s=0.35)
+    slower = model()
+    slower.observe_step(TOKENS * 10, 1.0)
+    slower.observe_round_trip("redis", 0.5)  # measured slower still: the estimate counts
+    assert slower.lookup_too_slow("redis", 4, behind_s=0.01)
+
+
 def test_lookups_of_blocks_stored_here_and_of_others_have_their_own_hit_shares() -> None:
     cost = model()
     cost.observe_step(TOKENS * 10, 1.0)  # 0.1 s a block

@@ -377,6 +377,31 @@ def test_questions_asked_during_a_round_trip_share_the_next_one() -> None:
         lookups.close()
 
 
+def test_the_round_trip_on_its_way_is_numbered_and_aged_until_it_ends() -> None:
+    """A question asked during a round trip waits for it to end: its age is a floor on
+    what the tier's round trips take now (`CostModel.lookup_too_slow`'s `behind_s`)."""
+    store = _BlockingStore()
+    now = [10.0]
+    lookups = AsyncLookups(cast(Any, store), None, clock=lambda: now[0])
+    try:
+        assert lookups.in_flight() is None
+        assert lookups.lookup(H[:1]) is None
+        assert store.started.wait(timeout=30)
+        now[0] += 1.5
+        assert lookups.in_flight() == (1, 1.5)
+        store.release.set()
+        assert lookups.wait(timeout=30)
+        assert lookups.in_flight() is None  # ended before its answers were handed out
+        store.started.clear()
+        store.release.clear()
+        assert lookups.lookup(H[:2]) is None
+        assert store.started.wait(timeout=30)
+        assert lookups.in_flight() == (2, 0.0)  # the next one, numbered on
+    finally:
+        store.release.set()
+        lookups.close()
+
+
 def test_questions_held_go_out_together_when_the_hold_ends() -> None:
     """One request's walk: its first question would go out alone and the rest of the
     prompt a round trip later (two round trips before a slow Redis's hit is known)."""

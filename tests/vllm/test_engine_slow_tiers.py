@@ -14,8 +14,10 @@ A third reader, behind a link adding 30 ms, serves two returning prompts (and no
 one): the second's lookup carries the blocks the load takes (`kvtier.remote.prefetch`).
 
 Times are checked against the proxy's delay only (a request that waited for the slow
-Redis took at least two seconds; the prompt's prefill takes a tenth of one), never
-against another engine's.
+Redis took at least two seconds; the prompt's prefill takes a fifth of one), never
+against another engine's. The slow reader's return does not wait at all: its questions
+queue behind the cold prompt's round trip, already longer than the prompt's recompute
+(`CostModel.lookup_too_slow`'s `behind_s`).
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ from tests.vllm.test_engine_kvtier import kvtier
 
 # wider than the tiny model: recomputing the prompt must cost far more than a busy
 # machine's Redis round trip (tens of ms under the suite's load, where the tiny model
-# recomputes the prompt in 5 ms and kvtier rightly recomputes it)
+# recomputes the prompt in 5 ms and kvtier rightly recomputes it); 8 layers, not 4: the
+# fast reader's return may wait for its answers what recomputing saves, and a CI run
+# with another engine on both cores recomputed after 0.61 s with 4 (0.2 s to load here)
 MODEL = ModelShape(
-    "llama", layers=4, hidden=768, heads=8, kv_heads=2, intermediate=3072, vocab=1024
+    "llama", layers=8, hidden=768, heads=8, kv_heads=2, intermediate=3072, vocab=1024
 )
 SLOW_S = 2.0  # added to each round trip of the slow reader's link
 # 14 blocks and 8 tokens: long enough that a fast link's load beats recomputing it by a

@@ -508,3 +508,32 @@ def test_a_tier_whose_loads_look_too_slow_is_measured_again_by_a_probe_that_wait
     block_seconds = cost.tier("redis").block_seconds.value
     assert block_seconds is not None and block_seconds < 0.85 * 5.0  # measured again
     assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
+
+
+def test_a_request_behind_a_stalled_round_trip_does_not_wait_its_whole_budget(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    """Round trips are measured when they end: a tier that stalls looks as fast as
+    before until then. A request whose questions queue behind a round trip that has
+    taken longer than a margin under what the lookup could save goes on without it;
+    the request whose own round trip it is keeps its whole budget."""
+    server, proxy = redis_proxy
+    _, reader, keys = writer_and_reader(engines, server, proxy, redis_socket_timeout_s=60.0)
+    assert settle(reader, keys[:1], ReqContext(req_id="measure")) == 1  # a fast round trip
+    clock = FakeClock()
+    reader.manager.clock = clock
+    reader.manager.remote._async._clock = clock  # the lookups' clock: the trips' ages
+    recompute_per_block(reader, 0.1)  # 4 blocks could save 0.4 s
+    proxy.stall()
+    try:
+        first = told_prompt(reader, keys[4:8], "first")
+        assert scan(reader, keys[4:8], first) is None  # asked: its round trip stalls
+        clock.now += 0.35
+        cold = keys_of(4, start=8200)
+        assert scan(reader, cold, told_prompt(reader, cold, "later")) == 0  # behind it
+        assert scan(reader, keys[4:8], first) is None  # its own trip: 0.35 s of 0.4
+        clock.now += 0.1
+        assert scan(reader, keys[4:8], first) == 0
+    finally:
+        proxy.resume()
+    assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown

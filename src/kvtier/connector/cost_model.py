@@ -369,11 +369,20 @@ class CostModel:
         return min(max(num_blocks, 0), self.prefetch_blocks(tier))
 
     def lookup_too_slow(
-        self, tier: str, num_blocks: int, found: bool = False, stored: bool = False
+        self,
+        tier: str,
+        num_blocks: int,
+        found: bool = False,
+        stored: bool = False,
+        behind_s: float = 0.0,
     ) -> bool:
         """Whether `tier`'s lookups take longer than they could save (`lookup_seconds`,
         times WAIT_MARGIN, against `wait_budget_s`): ask it in the background for later
-        requests, and let this one go on without it.
+        requests, and let this one go on without it. `behind_s`: how long a round trip
+        that this lookup's questions wait behind has taken so far; the tier's round
+        trips take at least that now. The estimate learns a round trip's time when it
+        ends: a tier that stalls (or a first lookup that is slow, before any is
+        measured) would hold every request that came meanwhile for its whole budget.
 
         Why a margin: near the break-even a wait gains nothing on average, and what the
         estimates leave out only adds to a wait (the engine step that runs the load,
@@ -385,6 +394,8 @@ class CostModel:
         vLLM alone's time to their first token. The margin only decides whether to wait:
         a request that waits keeps its whole budget."""
         seconds = self.lookup_seconds(tier, num_blocks)
+        if behind_s > 0:
+            seconds = max(seconds or 0.0, behind_s)
         budget = self.wait_budget_s(tier, num_blocks, found, stored)
         return seconds is not None and seconds * WAIT_MARGIN > budget
 

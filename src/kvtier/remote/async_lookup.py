@@ -97,6 +97,9 @@ class AsyncLookups:
         # how many blocks a round trip reads whole (see the module docstring); none
         # without it
         self.fetch_blocks: Callable[[], int] | None = None
+        self._trips = 0  # round trips started, which numbers them
+        # the round trip on its way (its number, and when it started); None between them
+        self._in_flight: tuple[int, float] | None = None
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -190,12 +193,16 @@ class AsyncLookups:
             started = time.perf_counter()
             trips_before = getattr(self.store, "lookup_round_trips", 0)
             fetched_before = getattr(self.store, "fetched_blocks", 0)
+            self._trips += 1
+            self._in_flight = (self._trips, self._clock())
             try:
                 found = self.store.try_count_prefixes([h for h, _ in batch], salt, fetch)
             except Exception as exc:  # a bug: each question's answer raises it
                 for _, future in batch:
                     future.set_exception(exc)
                 continue
+            finally:
+                self._in_flight = None
             # one round trip's seconds (a lookup of blocks another layout wrote takes
             # more than one; the estimate is of the one a load pays), unless it carried
             seconds = time.perf_counter() - started
@@ -206,6 +213,18 @@ class AsyncLookups:
             answered_at = self._clock()
             for (_, future), answer in zip(batch, answers, strict=True):
                 future.set_result((answer, answered_at))
+
+    def in_flight(self) -> tuple[int, float] | None:
+        """The round trip on its way now: its number (round trips are numbered as they
+        start) and the seconds since it started; None between round trips. Questions
+        asked meanwhile wait for it to end (one thread sends them in turn), and its
+        age is what the tier's round trips take now, at least: a tier that stalled is
+        known slow before its first slow answer is in (`CostModel.lookup_too_slow`)."""
+        trip = self._in_flight  # one read: the thread replaces it whole
+        if trip is None:
+            return None
+        number, since = trip
+        return number, max(self._clock() - since, 0.0)
 
     def take_seconds(self) -> list[float]:
         """Each round trip's seconds since the last call (at most the last `max_pending`)."""

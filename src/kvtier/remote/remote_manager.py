@@ -134,6 +134,11 @@ class RemoteOffloadingManager(OffloadingManager):
         """Block until asynchronous lookups have answers; True at once when synchronous."""
         return self._async.wait(timeout) if self._async is not None else True
 
+    def lookup_in_flight(self) -> tuple[int, float] | None:
+        """The asynchronous lookups' round trip on its way, numbered, and its seconds so
+        far (`AsyncLookups.in_flight`); None between round trips or when synchronous."""
+        return self._async.in_flight() if self._async is not None else None
+
     def fetch_with(self, blocks: Callable[[], int]) -> None:
         """Have asynchronous lookups read the first `blocks()` blocks of a round trip whole
         (`AsyncLookups.fetch_blocks`, `prefetch`)."""

@@ -44,6 +44,9 @@ class LookupPlan:
     last: int = -1
     passes: int = 1
     waiting_since: float | None = None
+    # the number of the lookups' round trip on its way when it began to wait, before it
+    # asked (its questions wait behind that one; `RemoteRuns._behind_s`), None: none was
+    behind: int | None = None
     end: int | None = None
     observed: bool = False  # its first Redis answer went into the tier's hit share
     # this engine stored the first block it asks Redis about (which hit share applies:
@@ -142,6 +145,9 @@ class RemoteRuns:
             return self._answer(block_hash, bool(found))
         self._collect_watched()
         stored = self._stored_here(plan, pos)
+        if plan.waiting_since is None:  # before it asks: a round trip on its way is another's
+            trip = self._trip_in_flight()
+            plan.behind = None if trip is None else trip[0]
         for attempt in (0, 1):
             ahead, pending = self._known_run(plan, pos)
             self._observe_first(plan, pos)
@@ -162,10 +168,11 @@ class RemoteRuns:
                 plan.waiting_since = now
             blocks = plan.blocks_left(pos)
             found = bool(plan.answers.get(plan.keys[pos]))  # Redis holds the run's head
+            behind = self._behind_s(plan)
             # before the prompt's length is known, a first pass cannot tell what the
             # lookup could save: it lists the prompt's keys and asks them all
             patient = (plan.end is None and plan.passes < 2) or not (
-                cost.lookup_too_slow("redis", blocks, found, stored)
+                cost.lookup_too_slow("redis", blocks, found, stored, behind)
                 or now - plan.waiting_since > cost.wait_budget_s("redis", blocks, found, stored)
             )
             if not patient and not cost.worth_loading("redis", blocks):
@@ -191,6 +198,20 @@ class RemoteRuns:
             cost.decisions["redis", "recompute"] += plan.decided(pos, ahead)
             plan.declined = True
         return self._answer(block_hash, False)
+
+    def _trip_in_flight(self) -> tuple[int, float] | None:
+        in_flight = getattr(self.remote, "lookup_in_flight", None)
+        return None if in_flight is None else in_flight()
+
+    def _behind_s(self, plan: LookupPlan) -> float:
+        """How long the round trip that was on its way when the request began to wait,
+        and still is, has taken (0: none was, or it ended): the request's questions
+        were asked after it started, and wait for it to end. Its own round trip is no
+        such bound: it is what the request waits on, for at most its whole budget."""
+        trip = self._trip_in_flight()
+        if trip is None or plan.behind is None or trip[0] != plan.behind:
+            return 0.0
+        return trip[1]
 
     def _stored_here(self, plan: LookupPlan, pos: int) -> bool:
         """Whether this engine stored the pass's first Redis block itself (decided once a
