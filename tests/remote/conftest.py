@@ -16,11 +16,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from kvtier.net import free_port
+from kvtier.remote.tier import RemoteTier
 
 REDIS_BIN = shutil.which("redis-server")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -169,6 +171,25 @@ def serve_redis(tmp_path: Path, password: str | None = None, *args: str) -> Iter
         if server.proc is not None:
             server.resume()
         server.kill()
+
+
+@pytest.fixture(autouse=True)
+def close_tiers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every `RemoteTier` a test opens is closed when it ends: a tier left open leaves
+    its connections to be finalised by whichever later test collects garbage, which
+    then fails on the ResourceWarning (warnings are errors here; a fresh-clone CI run
+    failed so, in a test that called `gc.collect()`)."""
+    opened: list[RemoteTier] = []
+    init = RemoteTier.__init__
+
+    def tracked(self: RemoteTier, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(RemoteTier, "__init__", tracked)
+    yield
+    for tier in opened:
+        tier.close()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,30 +39,16 @@ def carried(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> PrefetchedValues
     return values
 
 
-@pytest.fixture
-def tiers() -> Iterator[list[RemoteTier]]:
-    """The test's tiers, closed after it: a tier left open leaves its connections to be
-    finalised by whichever later test collects garbage (one that does, below, then
-    failed on another test's unclosed socket)."""
-    opened: list[RemoteTier] = []
-    yield opened
-    for tier in opened:
-        tier.close()
-
-
-def one_worker(url: str, tiers: list[RemoteTier]) -> tuple[RemoteTier, HeadShardKVStore]:
+def one_worker(url: str) -> tuple[RemoteTier, HeadShardKVStore]:
     """An engine of one worker: its tier and the worker's store (which loads here)."""
     tier = RemoteTier.from_url(url, SHARED, block_size=16, heads=HEADS)
-    tiers.append(tier)
     return tier, tier.head_store(row_layout(HEADS), HeadShard.of_rank(HEADS, 1, 0))
 
 
-def written(
-    url: str, n: int, tiers: list[RemoteTier]
-) -> tuple[RemoteTier, HeadShardKVStore, list[BlockHash], list[bytes]]:
+def written(url: str, n: int) -> tuple[RemoteTier, HeadShardKVStore, list[BlockHash], list[bytes]]:
     """`one_worker`, with `n` blocks it wrote."""
     hashes, data = blocks(n)
-    tier, worker = one_worker(url, tiers)
+    tier, worker = one_worker(url)
     worker.write_blocks(RemoteLoadStoreSpec(hashes), [memoryview(d) for d in data])
     return tier, worker, hashes, data
 
@@ -93,9 +78,9 @@ def load(worker: HeadShardKVStore, hashes: list[BlockHash], carried: int) -> lis
 
 
 def test_a_lookup_carries_its_first_blocks_and_their_load_needs_no_round_trip(
-    redis_server: RedisServer, carried: PrefetchedValues, tiers: list[RemoteTier]
+    redis_server: RedisServer, carried: PrefetchedValues
 ) -> None:
-    tier, worker, hashes, data = written(redis_server.url, 3, tiers)
+    tier, worker, hashes, data = written(redis_server.url, 3)
     client = redis_server.client()
     client.config_resetstat()
     assert ask(tier, hashes, fetch=2) == [1, 1, 1]
@@ -115,21 +100,21 @@ def test_a_lookup_carries_its_first_blocks_and_their_load_needs_no_round_trip(
 
 
 def test_a_block_evicted_after_its_lookup_carried_it_still_loads(
-    redis_server: RedisServer, carried: PrefetchedValues, tiers: list[RemoteTier]
+    redis_server: RedisServer, carried: PrefetchedValues
 ) -> None:
-    tier, worker, hashes, data = written(redis_server.url, 2, tiers)
+    tier, worker, hashes, data = written(redis_server.url, 2)
     assert ask(tier, hashes, fetch=2) == [1, 1]
     redis_server.client().flushall()
     assert load(worker, hashes, carried=2) == data
 
 
 def test_a_lookup_carries_nothing_where_no_worker_here_loads_whole_blocks(
-    redis_server: RedisServer, carried: PrefetchedValues, tiers: list[RemoteTier]
+    redis_server: RedisServer, carried: PrefetchedValues
 ) -> None:
     """The replay tool (no worker at all) and an engine some of whose workers do not
     take what a lookup carries (here a tensor-parallel engine's second worker, which
     never started) read headers only."""
-    tier, worker, hashes, data = written(redis_server.url, 2, tiers)
+    tier, worker, hashes, data = written(redis_server.url, 2)
     del worker
     with warnings.catch_warnings():  # other tests' unclosed sockets are not this one's
         warnings.simplefilter("ignore", ResourceWarning)
@@ -139,7 +124,6 @@ def test_a_lookup_carries_nothing_where_no_worker_here_loads_whole_blocks(
     assert ask(tier, hashes, fetch=2) == [1, 1]
     assert "get" not in calls(client)
     two = RemoteTier.from_url(redis_server.url, SHARED, block_size=16, heads=HEADS, group_heads=2)
-    tiers.append(two)
     shard = HeadShard.of_rank(HEADS, 2, 0)
     part = two.head_store(row_layout(shard.count), shard)
     part.write_blocks(RemoteLoadStoreSpec(hashes), [memoryview(d[: 2 * HEAD_BYTES]) for d in data])
@@ -150,9 +134,9 @@ def test_a_lookup_carries_nothing_where_no_worker_here_loads_whole_blocks(
 
 
 def test_a_carried_value_is_verified_at_load_like_any_other(
-    redis_server: RedisServer, carried: PrefetchedValues, tiers: list[RemoteTier]
+    redis_server: RedisServer, carried: PrefetchedValues
 ) -> None:
-    tier, worker, hashes, _ = written(redis_server.url, 1, tiers)
+    tier, worker, hashes, _ = written(redis_server.url, 1)
     assert ask(tier, hashes, fetch=1) == [1]
     (path,) = carried.directory().glob("v*")
     value = path.read_bytes()
@@ -165,9 +149,9 @@ def test_a_carried_value_is_verified_at_load_like_any_other(
 
 
 def test_asynchronous_lookups_carry_what_the_connector_asks_and_a_load_says_so(
-    redis_server: RedisServer, carried: PrefetchedValues, tiers: list[RemoteTier]
+    redis_server: RedisServer, carried: PrefetchedValues
 ) -> None:
-    tier, _worker, hashes, _ = written(redis_server.url, 4, tiers)
+    tier, _worker, hashes, _ = written(redis_server.url, 4)
     manager = tier.manager(async_lookup=True)
     manager.fetch_with(lambda: 3)
     try:
