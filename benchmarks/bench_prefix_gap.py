@@ -20,7 +20,12 @@ each trace's unique blocks, no accelerator tier:
 - hit-density eviction (`benchmarks/hit_density.py`) told when each block comes back
   (to a factor of 2: `density_next_use`) against the same eviction on the classes an
   online policy can read (`density_online`): whether the mechanism or the signal is
-  what an online policy lacks.
+  what an online policy lacks;
+- the class ceilings (`benchmarks/class_ceiling.py`): the most block hits any policy
+  that tells blocks apart only by a class can reach, in hindsight, for four class
+  sets: `online` (hit density's online classes), `signals` (every request-level
+  signal together), `signals_by_tenth` (the same, with rules that may change every
+  tenth of the trace) and `next_use` (told when, to a factor of 2).
 
 No figure here is timed; the JSON is the table the README quotes. (--quick: the
 first 3,000 requests of each trace.)
@@ -33,8 +38,9 @@ import statistics
 from collections import Counter
 from typing import Any
 
+from benchmarks.class_ceiling import SignalClasses, class_ceiling
 from benchmarks.common import CONVERSATION_TRACE, write_result
-from benchmarks.hit_density import NextUseClasses, OnlineClasses, density_hits
+from benchmarks.hit_density import Classify, NextUseClasses, OnlineClasses, density_hits
 from kvtier.offload import CPUOffloadingManager
 from kvtier.offload.policies import available_policies
 from kvtier.sim import GeneratorConfig, ReplayConfig, generate_workload, load_workload, replay
@@ -146,6 +152,17 @@ def signals(workload: Workload) -> dict[str, Any]:
     }
 
 
+def ceiling_classes(workload: Workload) -> dict[str, Classify]:
+    """The class sets of the ceilings (fresh: online classifiers keep state)."""
+    ids = workload.block_ids
+    return {
+        "online": OnlineClasses(),
+        "signals": SignalClasses(),
+        "signals_by_tenth": SignalClasses(segments=10, num_requests=len(ids)),
+        "next_use": NextUseClasses(ids),
+    }
+
+
 def measure(workload: Workload, policies: list[str]) -> list[dict[str, Any]]:
     refs = workload.block_refs
     again = used_again(workload)
@@ -170,6 +187,10 @@ def measure(workload: Workload, policies: list[str]) -> list[dict[str, Any]]:
             "admission_oracle": admission_oracle_hits(workload, capacity, again) / refs,
             "density_next_use": density_hits(workload.block_ids, capacity, next_use) / refs,
             "density_online": density_hits(workload.block_ids, capacity, OnlineClasses()) / refs,
+            "class_ceilings": {
+                name: class_ceiling(workload.block_ids, capacity, classify).hits / refs
+                for name, classify in ceiling_classes(workload).items()
+            },
         }
         rows.append(row)
         cells = "  ".join(f"{p} {v:.4f}" for p, v in online.items())
@@ -179,7 +200,9 @@ def measure(workload: Workload, policies: list[str]) -> list[dict[str, Any]]:
             f"{' exact' if bounds.prefix_exact else ''}  target "
             f"{'-' if target is None else f'{target:.4f}'}  "
             f"admission oracle {row['admission_oracle']:.4f}  hit density: told when "
-            f"{row['density_next_use']:.4f}, online classes {row['density_online']:.4f}",
+            f"{row['density_next_use']:.4f}, online classes {row['density_online']:.4f}  "
+            "class ceilings: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in row["class_ceilings"].items()),
             flush=True,
         )
     return rows
