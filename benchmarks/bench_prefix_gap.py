@@ -22,10 +22,11 @@ each trace's unique blocks, no accelerator tier:
   online policy can read (`density_online`): whether the mechanism or the signal is
   what an online policy lacks;
 - the class ceilings (`benchmarks/class_ceiling.py`): the most block hits any policy
-  that tells blocks apart only by a class can reach, in hindsight, for four class
-  sets: `online` (hit density's online classes), `signals` (every request-level
-  signal together), `signals_by_tenth` (the same, with rules that may change every
-  tenth of the trace) and `next_use` (told when, to a factor of 2).
+  that tells blocks apart only by a class can reach, in hindsight, for five class
+  sets: `uses` (`reuse`'s own signals), `online` (hit density's online classes),
+  `signals` (every request-level signal together), `signals_by_tenth` (the same,
+  with rules that may change every tenth of the trace) and `next_use` (told when,
+  to a factor of 2).
 
 No figure here is timed; the JSON is the table the README quotes. (--quick: the
 first 3,000 requests of each trace.)
@@ -38,7 +39,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from benchmarks.class_ceiling import SignalClasses, class_ceiling
+from benchmarks.class_ceiling import SignalClasses, UseClasses, class_ceiling
 from benchmarks.common import CONVERSATION_TRACE, write_result
 from benchmarks.hit_density import Classify, NextUseClasses, OnlineClasses, density_hits
 from kvtier.offload import CPUOffloadingManager
@@ -156,6 +157,7 @@ def ceiling_classes(workload: Workload) -> dict[str, Classify]:
     """The class sets of the ceilings (fresh: online classifiers keep state)."""
     ids = workload.block_ids
     return {
+        "uses": UseClasses(),
         "online": OnlineClasses(),
         "signals": SignalClasses(),
         "signals_by_tenth": SignalClasses(segments=10, num_requests=len(ids)),

@@ -18,8 +18,10 @@ the budget, which is a fractional knapsack over each curve's upper concave hull.
 
 Every relaxation only raises the figure: the capacity is met on average, a block hit
 counts without its prefix, and each class's gaps are known in hindsight (the best hold
-times for the trace itself). So no policy on those classes beats it; a policy that reads
-more than its classes may. Classes that include the trace's tenth (`SignalClasses`'s
+times for the trace itself). So no policy applying fixed rules to those classes beats
+it; one that reads more than its classes, or changes its rules as the trace goes, may
+(on a generated trace at 1%, `reuse`, whose duel changes its rules, passed the ceiling
+of its own signals by 0.0007). Classes that include the trace's tenth (`SignalClasses`'s
 `segments`) let the rules change ten times over the trace, in hindsight too.
 """
 
@@ -103,6 +105,24 @@ def _hull_segments(gaps: list[int], room: list[int]) -> list[tuple[float, int]]:
 
 def _cross(o: tuple[float, int], a: tuple[float, int], b: tuple[float, int]) -> float:
     return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+class UseClasses:
+    """Online: the signals `reuse` reads, uses so far (capped at 4) and whether it is a
+    request's last block seen for the first time (5 classes)."""
+
+    def __init__(self) -> None:
+        self._uses: dict[int, int] = {}
+
+    def __call__(self, t: int, ids: Sequence[int]) -> list[Hashable]:
+        uses = self._uses
+        classes: list[Hashable] = []
+        for b in ids:
+            used = uses[b] = uses.get(b, 0) + 1
+            classes.append(min(used, 4))
+        if ids and uses[ids[-1]] == 1:
+            classes[-1] = "last"
+        return classes
 
 
 class SignalClasses:

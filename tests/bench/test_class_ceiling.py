@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Hashable, Sequence
 
 import pytest
-from benchmarks.class_ceiling import SignalClasses, class_ceiling
+from benchmarks.class_ceiling import SignalClasses, UseClasses, class_ceiling
 from benchmarks.hit_density import NextUseClasses, OnlineClasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -85,7 +85,8 @@ def test_room_for_every_block_hits_every_reuse(seed: int) -> None:
     workload = generate_workload(GeneratorConfig(num_requests=300), seed=seed)
     ids = [list(r) for r in workload.block_ids]
     everything = infinite_hits(ids)[0]
-    for classify in (one_class, OnlineClasses(), SignalClasses(), NextUseClasses(ids)):
+    classifiers = (one_class, UseClasses(), OnlineClasses(), SignalClasses(), NextUseClasses(ids))
+    for classify in classifiers:
         assert class_ceiling(ids, workload.unique_blocks, classify).hits == pytest.approx(
             everything
         )
@@ -99,6 +100,15 @@ def test_one_class_holds_what_fits() -> None:
     assert class_ceiling(requests, 1, one_class).hits == pytest.approx(4 * 6 / 11)
     assert class_ceiling(requests, 0, one_class).hits == 0
     assert class_ceiling(requests, 2, one_class).hits == pytest.approx(4)
+
+
+def test_the_use_classes_tell_a_requests_new_last_block_apart() -> None:
+    uses = UseClasses()
+    assert uses(0, [1, 2, 3]) == [1, 1, "last"]
+    assert uses(1, [1, 2, 4]) == [2, 2, "last"]
+    assert uses(2, [1, 2, 4, 5, 6]) == [3, 3, 2, 1, "last"]
+    assert uses(3, [1, 2]) == [4, 4]
+    assert uses(4, []) == []
 
 
 def test_knowing_when_lifts_it_and_bad_input_is_refused() -> None:

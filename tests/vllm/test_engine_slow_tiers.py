@@ -47,7 +47,7 @@ from tests.vllm.test_engine_kvtier import kvtier
 # machine's Redis round trip (tens of ms under the suite's load, where the tiny model
 # recomputes the prompt in 5 ms and kvtier rightly recomputes it); 8 layers, not 4: the
 # fast reader's return may wait for its answers what recomputing saves, and a CI run
-# with another engine on both cores recomputed after 0.61 s with 4 (0.2 s to load here)
+# with another engine on both cores recomputed it with 4 (0.61 s to its first token)
 MODEL = ModelShape(
     "llama", layers=8, hidden=768, heads=8, kv_heads=2, intermediate=3072, vocab=1024
 )
