@@ -511,7 +511,9 @@ def test_a_tier_whose_loads_look_too_slow_is_measured_again_by_a_probe_that_wait
 
 
 def test_a_request_behind_a_stalled_round_trip_does_not_wait_its_whole_budget(
-    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+    engines: list[Engine],
+    redis_proxy: tuple[RedisServer, ShapingProxy],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Round trips are measured when they end: a tier that stalls looks as fast as
     before until then. A request whose questions queue behind a round trip that has
@@ -522,12 +524,22 @@ def test_a_request_behind_a_stalled_round_trip_does_not_wait_its_whole_budget(
     assert settle(reader, keys[:1], ReqContext(req_id="measure")) == 1  # a fast round trip
     clock = FakeClock()
     reader.manager.clock = clock
-    reader.manager.remote._async._clock = clock  # the lookups' clock: the trips' ages
+    lookups = reader.manager.remote._async
+    lookups._clock = clock  # the lookups' clock: the trips' ages
+    sent = threading.Event()  # the lookup thread has started a round trip
+    ask = lookups.store.try_count_prefixes
+
+    def asked(*args: Any, **kwargs: Any) -> Any:
+        sent.set()
+        return ask(*args, **kwargs)
+
+    monkeypatch.setattr(lookups.store, "try_count_prefixes", asked)
     recompute_per_block(reader, 0.1)  # 4 blocks could save 0.4 s
     proxy.stall()
     try:
         first = told_prompt(reader, keys[4:8], "first")
         assert scan(reader, keys[4:8], first) is None  # asked: its round trip stalls
+        assert sent.wait(timeout=30)  # on its way (not merely queued with the next)
         clock.now += 0.35
         cold = keys_of(4, start=8200)
         assert scan(reader, cold, told_prompt(reader, cold, "later")) == 0  # behind it
