@@ -4,7 +4,7 @@ request back for its answers.
 
 A writer engine puts a prompt in a real redis-server. Two readers (a CPU tier of two
 blocks, so Redis is the only tier that holds the prompt) reach that server through the
-shaping proxy (kvtier.remote.shaping_proxy): one at full speed, one with two seconds
+shaping proxy (kvtier.remote.shaping_proxy): one at full speed, one with three seconds
 added to every round trip. Each serves a cold prompt first (its steps give the engine's
 recompute cost), then the returning prompt, in a pool too small for both: the return
 reuses blocks whose store to Redis is still in flight. Played once per session (engine
@@ -14,7 +14,7 @@ A third reader, behind a link adding 30 ms, serves two returning prompts (and no
 one): the second's lookup carries the blocks the load takes (`kvtier.remote.prefetch`).
 
 Times are checked against the proxy's delay only (a request that waited for the slow
-Redis took at least two seconds; the prompt's prefill takes a fifth of one), never
+Redis took at least three seconds; the prompt's prefill takes a fifth of one), never
 against another engine's. The slow reader's return does not wait at all: its questions
 queue behind the cold prompt's round trip, already longer than the prompt's recompute
 (`CostModel.lookup_too_slow`'s `behind_s`).
@@ -51,7 +51,10 @@ from tests.vllm.test_engine_kvtier import kvtier
 MODEL = ModelShape(
     "llama", layers=8, hidden=768, heads=8, kv_heads=2, intermediate=3072, vocab=1024
 )
-SLOW_S = 2.0  # added to each round trip of the slow reader's link
+# added to each round trip of the slow reader's link: three seconds, where the engine's
+# first request (its lookup waited up to 0.25 s, then an 8-layer prefill) took 1.2 s with
+# two busy loops on both cores
+SLOW_S = 3.0
 # 14 blocks and 8 tokens: long enough that a fast link's load beats recomputing it by a
 # margin that a busy machine's round trips do not eat, short enough for the pool (23)
 PROMPT_TOKENS = 14 * BLOCK + 8
@@ -157,7 +160,7 @@ def test_a_returning_prompt_is_recomputed_where_redis_is_slower(
     slow_scenario: SlowScenario,
 ) -> None:
     (returned,) = slow_scenario.slow.round("return")
-    assert returned.num_cached_tokens == 0  # Redis holds it, behind a 2 s round trip
+    assert returned.num_cached_tokens == 0  # Redis holds it, behind a 3 s round trip
     # never waited for the answer, nor for the cold prompt's store to free its blocks
     assert returned.wall_s < SLOW_S
     (written,) = slow_scenario.writer.round("write")
