@@ -32,7 +32,7 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from benchmarks.hit_density import Classify
+from benchmarks.hit_density import Classify, conversation_turn
 
 
 @dataclass(frozen=True)
@@ -148,10 +148,7 @@ class SignalClasses:
 
     def __call__(self, t: int, ids: Sequence[int]) -> list[Hashable]:
         uses, turns, last_use = self._uses, self._turn, self._last_use
-        seen = 0
-        while seen < len(ids) and ids[seen] in turns:
-            seen += 1
-        turn = turns[ids[seen - 1]] + 1 if seen >= 2 else 1
+        turn = conversation_turn(ids, turns)
         part = t * self.segments // self.num_requests if self.segments > 1 else 0
         size = min(len(ids) // 4, 8)
         classes: list[Hashable] = []

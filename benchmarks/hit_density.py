@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 BIN = 8  # requests per age bin
 BINS = 128  # ages learned: 1,024 requests (a longer gap counts as no return)
@@ -58,6 +58,16 @@ class NextUseClasses:
         return self._classes[t]
 
 
+def conversation_turn(ids: Sequence[int], turns: Mapping[int, int]) -> int:
+    """A request's conversation turn: one more than the turn of the deepest block of its
+    already-seen prefix (`turns`: each block's turn when last used), if that prefix is
+    longer than one block (a shared first block is no conversation); else 1."""
+    seen = 0
+    while seen < len(ids) and ids[seen] in turns:
+        seen += 1
+    return turns[ids[seen - 1]] + 1 if seen >= 2 else 1
+
+
 class OnlineClasses:
     """Online: (uses so far, capped at 4; conversation turn, capped at 4), or "last" for a
     request's last block seen for the first time. The turn is one more than the turn of
@@ -71,10 +81,7 @@ class OnlineClasses:
 
     def __call__(self, t: int, ids: Sequence[int]) -> list[Hashable]:
         uses, turns = self._uses, self._turn
-        seen = 0
-        while seen < len(ids) and ids[seen] in turns:
-            seen += 1
-        turn = turns[ids[seen - 1]] + 1 if seen >= 2 else 1
+        turn = conversation_turn(ids, turns)
         classes: list[Hashable] = []
         for b in ids:
             used = uses.get(b, 0) + 1
