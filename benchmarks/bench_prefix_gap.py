@@ -153,15 +153,15 @@ def signals(workload: Workload) -> dict[str, Any]:
     }
 
 
-def ceiling_classes(workload: Workload) -> dict[str, Classify]:
-    """The class sets of the ceilings (fresh: online classifiers keep state)."""
-    ids = workload.block_ids
+def ceiling_classes(workload: Workload, next_use: NextUseClasses) -> dict[str, Classify]:
+    """The class sets of the ceilings (the online ones fresh: they keep state; `next_use`
+    keeps none, and is built once a trace)."""
     return {
         "uses": UseClasses(),
         "online": OnlineClasses(),
         "signals": SignalClasses(),
-        "signals_by_tenth": SignalClasses(segments=10, num_requests=len(ids)),
-        "next_use": NextUseClasses(ids),
+        "signals_by_tenth": SignalClasses(segments=10, num_requests=len(workload.block_ids)),
+        "next_use": next_use,
     }
 
 
@@ -191,7 +191,7 @@ def measure(workload: Workload, policies: list[str]) -> list[dict[str, Any]]:
             "density_online": density_hits(workload.block_ids, capacity, OnlineClasses()) / refs,
             "class_ceilings": {
                 name: class_ceiling(workload.block_ids, capacity, classify).hits / refs
-                for name, classify in ceiling_classes(workload).items()
+                for name, classify in ceiling_classes(workload, next_use).items()
             },
         }
         rows.append(row)
