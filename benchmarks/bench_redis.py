@@ -50,6 +50,7 @@ from kvtier.remote.codec import HEADER_SIZE
 from kvtier.remote.head_codec import HeadGroup, header_size
 from kvtier.remote.head_keys import HeadKeyedStore
 from kvtier.remote.head_shard import HeadShard
+from kvtier.remote.proxy_process import check_nice
 from kvtier.remote.remote_manager import RemoteLoadStoreSpec
 from kvtier.remote.tier import RemoteTier
 from kvtier.store.layout import KVLayout
@@ -60,8 +61,9 @@ HEADS = 8  # the KV heads of `layout_for`'s blocks (`--heads`: as many values a 
 
 
 @contextmanager
-def redis_server() -> Iterator[int]:
-    """A throwaway redis-server on a free loopback port; yields the port."""
+def redis_server(nice: int = 0) -> Iterator[int]:
+    """A throwaway redis-server on a free loopback port; yields the port. `nice`: the
+    niceness it runs at, every thread of it (19: it takes only what others leave)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit(
@@ -73,7 +75,8 @@ def redis_server() -> Iterator[int]:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     with tempfile.TemporaryDirectory() as workdir:
-        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir]
+        cmd = ["nice", "-n", str(check_nice(nice)), binary, "--port", str(port)]
+        cmd += ["--bind", "127.0.0.1", "--save", "", "--dir", workdir]
         proc = subprocess.Popen(
             [*cmd, "--appendonly", "no"],
             stdout=subprocess.PIPE,

@@ -60,7 +60,7 @@ from benchmarks.serving_profiles import (
     parse_profile,
     parse_profiles,
 )
-from kvtier.remote.shaping_proxy import ShapingProxy
+from kvtier.remote.proxy_process import ProxyProcess, check_nice
 from kvtier.vllm import transfer_config
 from kvtier.vllm.engines import TINY, ModelShape, write_model
 from kvtier.vllm.engines.chat_workloads import Workload, documents, multi_turn, unique
@@ -89,6 +89,8 @@ SIDES = ("vllm", "kvtier")
 REUSE_TARGET = (1.5, 0.5)
 NO_REUSE_TARGET = (0.97, 1.05)
 IDLE_BOUND = 2.0  # the reference rate keeps vLLM alone's TTFT p90 within this x idle
+# the stand-in for a remote Redis competes for the engines' cores as an equal (--rig-nice)
+RIG_NICE = 0
 
 
 @dataclass(frozen=True)
@@ -198,10 +200,12 @@ def bench(
     only: list[str],
     profiles: list[TierProfile] | None = None,
     repeats: int = 1,
+    rig_nice: int = RIG_NICE,
 ) -> dict[str, Any]:
     """Every workload under every profile (default: kvtier's CPU tier alone), each beside
     vLLM alone, `repeats` times (see `_workload`). Results by workload, then by profile
-    where more than the default ran."""
+    where more than the default ran. `rig_nice`: the niceness of the redis-server and
+    the shaping proxy (each a process of its own), which stand in for a remote Redis."""
     profiles = profiles or [parse_profile("cpu")]
     model = write_model(workdir / "model", setup.shape, weights=False)
     write_tokenizer(model, setup.shape.vocab)
@@ -218,8 +222,8 @@ def bench(
         if any(p.control for p in profiles):
             configs["vllm_control"] = alone
         if any(p.redis for p in profiles):
-            port = stack.enter_context(redis_server())
-            proxy = stack.enter_context(ShapingProxy(("127.0.0.1", port)))
+            port = stack.enter_context(redis_server(rig_nice))
+            proxy = stack.enter_context(ProxyProcess(("127.0.0.1", port), nice=rig_nice))
             cpu = REDIS_CPU_POOLS * setup.pool_blocks * block_bytes
             kvtier = transfer_config(
                 cpu_bytes_to_use=cpu,
@@ -230,6 +234,8 @@ def bench(
         started = time.perf_counter()
         servers = stack.enter_context(running_servers(configs, workdir))
         out: dict[str, Any] = {"servers_start_s": time.perf_counter() - started, "workloads": {}}
+        if proxy is not None:
+            out["rig_nice"] = rig_nice
         warm = unique(words(setup.shape.vocab), 2, 64, 4, seed=99)
         for server in servers.values():
             run_one_by_one(server.url, "model", warm)
@@ -264,8 +270,8 @@ def bench(
     return out
 
 
-def _rig_cpu(proxy: ShapingProxy, redis_port: int) -> dict[str, float]:
-    """CPU seconds so far of the shaping proxy's threads and of the redis-server (its
+def _rig_cpu(proxy: ProxyProcess, redis_port: int) -> dict[str, float]:
+    """CPU seconds so far of the shaping proxy's process and of the redis-server (its
     INFO cpu: user and system, every thread of it)."""
     client = redis.Redis(host="127.0.0.1", port=redis_port, socket_timeout=10)
     try:
@@ -276,7 +282,7 @@ def _rig_cpu(proxy: ShapingProxy, redis_port: int) -> dict[str, float]:
     return {"proxy": proxy.cpu_seconds, "redis_server": server}
 
 
-def _resume(proxy: ShapingProxy | None) -> Callable[[], None]:
+def _resume(proxy: ProxyProcess | None) -> Callable[[], None]:
     return _nothing if proxy is None else proxy.resume
 
 
@@ -462,6 +468,14 @@ def comparison_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def parse_rig_nice(text: str) -> int:
+    """`--rig-nice`: a niceness a process may take, 0 to 19."""
+    try:
+        return check_nice(int(text))
+    except ValueError:
+        raise ValueError(f"--rig-nice {text!r}; a whole number from 0 to 19") from None
+
+
 def parse_repeats(text: str) -> int:
     """`--repeats`: a whole number >= 1."""
     try:
@@ -511,9 +525,17 @@ def main(argv: list[str] | None = None) -> None:
         help="play each workload (one at a time and every rate) this many times, the "
         "side going first alternating; ratios are medians, with the spread (default 1)",
     )
+    parser.add_argument(
+        "--rig-nice",
+        default=str(RIG_NICE),
+        help="niceness (0-19) of the redis-server and the shaping proxy, which stand in "
+        "for a remote Redis on the engines' cores (default 0: equal terms); at 19 a "
+        "saturated engine starves them (a Redis starved by its machine: stores time out)",
+    )
     args = parser.parse_args(argv)
     setup = quick_setup() if args.quick else full_setup()
     try:
+        rig_nice = parse_rig_nice(args.rig_nice)
         repeats = parse_repeats(args.repeats)
         profiles = parse_profiles(args.profiles)
         if args.rates is not None:
@@ -529,7 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serving-") as tmp, \
             warnings.catch_warnings():  # fmt: skip
         warnings.simplefilter("ignore")
-        result = bench(setup, Path(tmp), only, profiles, repeats)
+        result = bench(setup, Path(tmp), only, profiles, repeats, rig_nice)
     name = "serving-quick" if args.quick else "serving"
     if [p.name for p in profiles] != ["cpu"]:
         name += "-profiles"

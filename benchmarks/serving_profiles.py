@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.remote.proxy_process import ProxyProcess
 from kvtier.remote.shaping_proxy import LinkProfile, ShapingProxy
 
 REDIS_CPU_POOLS = 1
@@ -61,7 +62,7 @@ class TierProfile:
     def link(self) -> LinkProfile:
         return LinkProfile.round_trip(self.delay_s, self.rate_bytes_per_s)
 
-    def stall_hook(self, proxy: ShapingProxy | None) -> Callable[[int], None] | None:
+    def stall_hook(self, proxy: ShapingProxy | ProxyProcess | None) -> Callable[[int], None] | None:
         """A load client's `before(i)`: stalls the link before request `stall_after`."""
         after = self.stall_after
         if after is None or proxy is None:

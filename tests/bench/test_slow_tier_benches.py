@@ -14,6 +14,7 @@ from benchmarks.bench_serving import (
     median_runs,
     parse_rates,
     parse_repeats,
+    parse_rig_nice,
 )
 from benchmarks.serving_profiles import TierProfile, parse_profile, parse_profiles
 from benchmarks.vllm_crossover import SIDES, TOKENS, Request, plan, summarize
@@ -196,3 +197,10 @@ def test_a_repeat_count_that_is_not_a_whole_number_of_at_least_one_is_refused(te
     with pytest.raises(ValueError, match=f"--repeats {text!r}; a whole number >= 1"):
         parse_repeats(text)
     assert parse_repeats("3") == 3
+
+
+@pytest.mark.parametrize("text", ["-1", "20", "low", "1.5", ""])
+def test_a_rig_niceness_outside_0_to_19_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match=f"--rig-nice {text!r}; a whole number from 0 to 19"):
+        parse_rig_nice(text)
+    assert (parse_rig_nice("0"), parse_rig_nice("19")) == (0, 19)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from kvtier.remote.proxy_process import ProxyProcess
 from kvtier.remote.shaping_proxy import LinkProfile, ShapingProxy
 from tests.remote.conftest import RedisServer
 
@@ -21,7 +22,7 @@ def proxy(redis_server: RedisServer) -> Iterator[ShapingProxy]:
         yield shaping
 
 
-def client(proxy: ShapingProxy, timeout_s: float = 30.0) -> redis.Redis:
+def client(proxy: ShapingProxy | ProxyProcess, timeout_s: float = 30.0) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=timeout_s)
 
 
