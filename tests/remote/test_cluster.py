@@ -35,6 +35,9 @@ def test_blocks_spread_over_nodes_and_prefix_lookup_spans_them(
         client.close()
         store.client.delete(store.key(HASHES[30], salt="t1"))  # a hole, on its node
         assert store.count_prefix(HASHES, salt="t1") == 30
+        pieces = [[p[:600], p[600:]] for p in PAYLOADS[:5]]  # built whole in its buffers
+        assert store.store_pieces(HASHES[:5], pieces, salt="t3")
+        assert [bytes(v) for v in store.load(HASHES[:5], salt="t3") if v] == PAYLOADS[:5]
 
 
 def test_a_dead_node_costs_misses_not_exceptions(redis_cluster: list[RedisServer]) -> None:

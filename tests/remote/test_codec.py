@@ -68,3 +68,18 @@ def test_any_single_byte_flip_is_refused(payload: bytes, data: st.DataObject) ->
 def test_round_trip_any_payload_and_hash(payload: bytes, block_hash: bytes) -> None:
     status, served = CODEC.decode(block_hash, CODEC.encode(block_hash, payload))
     assert status is DecodeStatus.OK and served is not None and bytes(served) == payload
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.binary(max_size=100), min_size=1, max_size=6), st.binary(min_size=1))
+def test_a_payload_in_pieces_gets_the_header_and_value_of_it_whole(
+    pieces: list[bytes], block_hash: bytes
+) -> None:
+    """A CPU slot's segments go to Redis as they lie: the envelope must not tell."""
+    views = [memoryview(p) for p in pieces]
+    whole = b"".join(pieces)
+    assert CODEC.header_of(block_hash, views) == CODEC.header(block_hash, whole)
+    buffer = bytearray(HEADER_SIZE + len(whole) + 7)  # a reused buffer may be longer
+    assert bytes(CODEC.encode_into(buffer, block_hash, views)) == CODEC.encode(block_hash, whole)
+    with pytest.raises(ValueError, match="cannot hold"):
+        CODEC.encode_into(bytearray(HEADER_SIZE), block_hash, [*views, memoryview(b"x")])

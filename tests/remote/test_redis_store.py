@@ -34,6 +34,22 @@ def test_store_then_load_round_trip(redis_server: RedisServer) -> None:
     assert stats.stored_bytes == stats.loaded_bytes == sum(map(len, PAYLOADS))
 
 
+def test_blocks_given_in_pieces_are_stored_as_the_pieces_end_to_end(
+    redis_server: RedisServer,
+) -> None:
+    """A CPU slot's segments, sent as they lie (many to a `sendmsg`, which a 16 MiB
+    store fills the socket with, so that sends end part-way through a piece)."""
+    store = connect(redis_server)
+    pieces = [[bytes([i, k]) * 8192 for k in range(16)] for i in range(64)]
+    hashes = [int_block_hash(100 + i) for i in range(64)]
+    assert store.store_pieces(hashes, pieces)
+    loaded = store.load(hashes)
+    assert [bytes(v) for v in loaded if v is not None] == [b"".join(p) for p in pieces]
+    assert store.stats.stored_bytes == 64 * 16 * 16384
+    with pytest.raises(ValueError, match="2 hashes but 1 payloads"):
+        store.store_pieces(hashes[:2], pieces[:1])
+
+
 def test_several_lookups_in_one_round_trip_answer_as_each_alone(
     redis_server: RedisServer,
 ) -> None:

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
+
+from kvtier.store.checksum import segments_checksum
 
 MAGIC = b"KVTR"
 FORMAT_VERSION = 1
@@ -68,35 +71,43 @@ class BlockCodec:
 
     def header(self, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:
         """The 48-byte header for `payload` stored under `block_hash`."""
-        return _HEADER.pack(
-            MAGIC,
-            FORMAT_VERSION,
-            HEADER_SIZE,
-            self.fp_digest,
-            block_digest(block_hash),
-            len(payload),
-            xxhash.xxh3_64_intdigest(payload),
-        )
+        return self._pack(block_hash, len(payload), xxhash.xxh3_64_intdigest(payload))
+
+    def header_of(self, block_hash: bytes, pieces: Sequence[memoryview]) -> bytes:
+        """The header of the payload that is `pieces` end to end (a CPU slot's segments),
+        without joining them."""
+        if len(pieces) == 1:
+            return self.header(block_hash, pieces[0])
+        size = sum(len(piece) for piece in pieces)
+        return self._pack(block_hash, size, segments_checksum(pieces))
+
+    def _pack(self, block_hash: bytes, size: int, checksum: int) -> bytes:
+        fields = (self.fp_digest, block_digest(block_hash), size, checksum)
+        return _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, *fields)
 
     def encode(self, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:
         """Header and payload in one new value (one copy of the payload)."""
         return b"".join((self.header(block_hash, payload), payload))
 
     def encode_into(
-        self, buffer: bytearray, block_hash: bytes, payload: bytes | bytearray | memoryview
+        self, buffer: bytearray, block_hash: bytes, pieces: Sequence[memoryview]
     ) -> memoryview:
-        """Header and payload in a reused buffer (at least HEADER_SIZE + len(payload) long).
+        """Header and payload (`pieces` end to end) in a reused buffer (at least the
+        header and the payload long).
 
         Why: a fresh multi-MiB value per block costs page faults that dwarf the
         copy itself; a warm buffer makes the envelope nearly free.
         """
         header_size = self.header_size
-        size = header_size + len(payload)
+        size = header_size + sum(len(piece) for piece in pieces)
         if len(buffer) < size:
             raise ValueError(f"buffer of {len(buffer)} bytes cannot hold {size}")
         view = memoryview(buffer)[:size]
-        view[:header_size] = self.header(block_hash, payload)
-        view[header_size:] = payload
+        view[:header_size] = self.header_of(block_hash, pieces)
+        at = header_size
+        for piece in pieces:
+            view[at : at + len(piece)] = piece
+            at += len(piece)
         return view
 
     def format_fields(self) -> tuple[int, int]:

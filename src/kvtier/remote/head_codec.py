@@ -93,6 +93,11 @@ class GroupCodec(BlockCodec):
         sums = [xxhash.xxh3_64_intdigest(view[i * size : (i + 1) * size]) for i in range(count)]
         return self.header_for(block_hash, size, sums)
 
+    def header_of(self, block_hash: bytes, pieces: Sequence[memoryview]) -> bytes:
+        """(A head group's values come whole: pieces are joined first.)"""
+        payload = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        return self.header(block_hash, payload)
+
     def header_for(self, block_hash: bytes, head_bytes: int, sums: Sequence[int]) -> bytes:
         """The header of a value whose heads (`head_bytes` each) have checksums `sums`."""
         count = self.group.count

@@ -54,7 +54,7 @@ class LoadGuard:
             yield
 
 
-def remote_spec(spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> RemoteLoadStoreSpec:
+def remote_spec(spec: LoadStoreSpec, blocks: Sequence[object]) -> RemoteLoadStoreSpec:
     """`spec` as the remote tier's, naming one block per row of `blocks` (else an error)."""
     if not isinstance(spec, RemoteLoadStoreSpec):
         raise TypeError(f"the remote store takes a RemoteLoadStoreSpec, got {spec!r}")
@@ -97,6 +97,13 @@ class RedisKVStore:
         rows = [_bytes_view(b) for b in blocks]
         if not self.store.store(remote.block_hashes, rows, remote.salt):
             raise RemoteStoreError(f"remote store of {len(rows)} blocks failed")
+
+    def write_pieces(self, spec: LoadStoreSpec, blocks: Sequence[Sequence[memoryview]]) -> None:
+        """`write_blocks` of blocks given as the pieces each is end to end (a CPU slot's
+        segments, see `KvtierOffloadingWorker`): sent as they lie, not joined."""
+        remote = remote_spec(spec, blocks)
+        if not self.store.store_pieces(remote.block_hashes, blocks, remote.salt):
+            raise RemoteStoreError(f"remote store of {len(blocks)} blocks failed")
 
     def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
         """Fill `blocks`; a load given a `guard` (an attribute of its spec, see

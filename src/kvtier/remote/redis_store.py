@@ -234,25 +234,35 @@ class RedisBlockStore:
         salt: str | None = None,
     ) -> bool:
         """Write the blocks (one pipeline); False if any write may have failed."""
-        if len(block_hashes) != len(payloads):
-            raise ValueError(f"{len(block_hashes)} hashes but {len(payloads)} payloads")
+        return self.store_pieces(block_hashes, [[p] for p in payloads], salt)
+
+    def store_pieces(
+        self,
+        block_hashes: Sequence[bytes],
+        blocks: Sequence[Sequence[Payload]],
+        salt: str | None = None,
+    ) -> bool:
+        """`store`, each block's payload given as the pieces it is end to end (a CPU
+        slot's segments): they are written as they lie, never joined on one node."""
+        if len(block_hashes) != len(blocks):
+            raise ValueError(f"{len(block_hashes)} hashes but {len(blocks)} payloads")
         if not block_hashes:
             return True
         keys = self._keys(block_hashes, salt)
-        rows = [memoryview(p).cast("B") for p in payloads]
+        views = [[memoryview(p).cast("B") for p in pieces] for pieces in blocks]
         client = self.client
         ttl = self.config.ttl_s
         if isinstance(client, redis.Redis):
-            call = partial(send_sets, client, self.codec, keys, block_hashes, rows, ttl)
+            call = partial(send_sets, client, self.codec, keys, block_hashes, views, ttl)
         else:
             buffers = self._buffers
             call = partial(
-                buffered_sets, client, self.codec, buffers, keys, block_hashes, rows, ttl
+                buffered_sets, client, self.codec, buffers, keys, block_hashes, views, ttl
             )
         ok = self._guarded("store", call, False)
         if ok:
-            nbytes = sum(len(row) for row in rows)
-            self._counters.add(stored_blocks=len(rows), stored_bytes=nbytes)
+            nbytes = sum(len(piece) for pieces in views for piece in pieces)
+            self._counters.add(stored_blocks=len(views), stored_bytes=nbytes)
         return ok
 
     def load(

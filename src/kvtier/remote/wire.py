@@ -7,8 +7,10 @@ why it exists.
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import redis
 
@@ -56,6 +58,8 @@ return {#KEYS - 1, '', members}
 # Rows at least this large go to the socket as they are; smaller ones are joined
 # with their neighbours (a syscall per tiny row costs more than copying it).
 _SEPARATE_SEND_BYTES = 16 * 1024
+# buffers per sendmsg (Linux's IOV_MAX is 1024)
+_IOV_MAX = 512
 
 
 def send_sets(
@@ -63,13 +67,15 @@ def send_sets(
     codec: BlockCodec,
     keys: Sequence[bytes],
     block_hashes: Sequence[bytes],
-    rows: Sequence[memoryview],
+    blocks: Sequence[Sequence[memoryview]],
     ttl_s: int | None,
 ) -> bool:
-    """One node: SETs written on the socket with the header and the caller's row as
+    """One node: SETs written on the socket with the header and the caller's bytes as
     separate chunks, so a store copies no payload at all (a pipeline needs each
-    value in one buffer, and building it costs more than the send). Any error drops
-    the connection, since replies may be left unread.
+    value in one buffer, and building it costs more than the send). A block is the
+    pieces its payload is end to end: one row, or a CPU slot's segments, which go
+    out as they lie (`_send`). Any error drops the connection, since replies may be
+    left unread.
     """
     if ttl_s is None:
         argc, suffix = b"*3\r\n$3\r\nSET\r\n$", b"\r\n"
@@ -80,13 +86,14 @@ def send_sets(
     pending: list[bytes | memoryview] = []  # small pieces, joined into one send
     separator = b""
     header_size = codec.header_size
-    for key, block_hash, row in zip(keys, block_hashes, rows, strict=True):
-        head = b"%d\r\n%s\r\n$%d\r\n" % (len(key), key, header_size + len(row))
-        pending += (separator, argc, head, codec.header(block_hash, row))
-        if len(row) < _SEPARATE_SEND_BYTES:
-            pending.append(row)
+    for key, block_hash, pieces in zip(keys, block_hashes, blocks, strict=True):
+        size = sum(len(piece) for piece in pieces)
+        head = b"%d\r\n%s\r\n$%d\r\n" % (len(key), key, header_size + size)
+        pending += (separator, argc, head, codec.header_of(block_hash, pieces))
+        if size < _SEPARATE_SEND_BYTES:
+            pending += pieces
         else:
-            chunks += (b"".join(pending), row)
+            chunks += (b"".join(pending), *pieces)
             pending = []
         separator = suffix
     pending.append(separator)
@@ -94,7 +101,7 @@ def send_sets(
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
-        conn.send_packed_command(chunks)  # type: ignore[no-untyped-call]
+        _send(conn, chunks)
         replies = [conn.read_response() for _ in keys]
     except BaseException:
         conn.disconnect()  # type: ignore[no-untyped-call]
@@ -102,6 +109,47 @@ def send_sets(
     finally:
         pool.release(conn)
     return all(reply in (b"OK", "OK", True) for reply in replies)
+
+
+def _send(conn: Any, chunks: list[bytes | memoryview]) -> None:
+    """`chunks` on the connection's socket, many to a system call (`sendmsg`). Why: a
+    CPU slot's segments are tens per block, and redis-py sends each chunk with its own
+    call; gathering them in user space would copy every byte once more. A TLS socket
+    (no `sendmsg`) takes them one by one."""
+    conn.send_packed_command([])  # connects (and checks health) first, as redis-py does
+    sock = conn._sock
+    if type(sock) is not socket.socket:
+        conn.send_packed_command(chunks, check_health=False)
+        return
+    views = [memoryview(chunk).cast("B") for chunk in chunks if len(chunk)]
+    first = 0
+    while first < len(views):
+        batch = views[first : first + _IOV_MAX]
+        sent = sock.sendmsg(batch)
+        for view in batch:
+            if sent < len(view):
+                views[first] = view[sent:]
+                break
+            sent -= len(view)
+            first += 1
+
+
+def buffered_sets(
+    client: RedisClient,
+    codec: BlockCodec,
+    buffers: ValueBuffers,
+    keys: Sequence[bytes],
+    block_hashes: Sequence[bytes],
+    blocks: Sequence[Sequence[memoryview]],
+    ttl_s: int | None,
+) -> bool:
+    """A cluster: a pipeline (routed per node) of values built in reused buffers."""
+    size = max(sum(len(piece) for piece in pieces) for pieces in blocks)
+    values = buffers.get(len(blocks), size + codec.header_size)
+    pipe = client.pipeline(transaction=False)
+    for key, buffer, block_hash, pieces in zip(keys, values, block_hashes, blocks, strict=False):
+        pipe.set(key, codec.encode_into(buffer, block_hash, pieces), ex=ttl_s)
+    return all(pipe.execute())
 
 
 class ValueBuffers(threading.local):
@@ -121,20 +169,3 @@ class ValueBuffers(threading.local):
                 buffers[i] = bytearray(size)  # a new one: views of the old may still live
         buffers.extend(bytearray(size) for _ in range(count - len(buffers)))
         return buffers[:count]
-
-
-def buffered_sets(
-    client: RedisClient,
-    codec: BlockCodec,
-    buffers: ValueBuffers,
-    keys: Sequence[bytes],
-    block_hashes: Sequence[bytes],
-    rows: Sequence[memoryview],
-    ttl_s: int | None,
-) -> bool:
-    """A cluster: a pipeline (routed per node) of values built in reused buffers."""
-    values = buffers.get(len(rows), max(map(len, rows)) + codec.header_size)
-    pipe = client.pipeline(transaction=False)
-    for key, buffer, block_hash, row in zip(keys, values, block_hashes, rows, strict=False):
-        pipe.set(key, codec.encode_into(buffer, block_hash, row), ex=ttl_s)
-    return all(pipe.execute())

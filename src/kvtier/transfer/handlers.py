@@ -285,10 +285,10 @@ class StagedHandler:
 
     def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
         moved = len(device_ids) * self.kv.layout.bytes_per_block
-        staged: _Staging | None = getattr(spec, "staged", None)
-        if staged is not None:  # copied out of the engine's blocks at submission
+        staged: _Staging | SlotPieces | None = getattr(spec, "staged", None)
+        if staged is not None:  # copied out of the engine's blocks before (see both)
             try:
-                self.medium.write_blocks(spec, staged.rows)
+                staged.write_to(self.medium, spec)
             finally:
                 spec.staged = None  # type: ignore[attr-defined]  # its memory goes now
             return moved
@@ -379,6 +379,22 @@ def _flat_bytes(segment: torch.Tensor) -> memoryview:
     return segment.as_strided((extent,), (1,)).numpy().data.cast("B")
 
 
+class SlotPieces:
+    """A store's blocks as the CPU tier's slots hold them, for a store that follows the
+    CPU tier's copy of the same blocks (a Redis store of blocks the job also puts in the
+    CPU tier): written from the slots' segments where they lie, with no copy of its own.
+    The slots must not be rewritten until the store ends: the job's slots stay in flight
+    (neither read nor evicted) until its every part is done. The medium takes blocks as
+    pieces (`write_pieces`)."""
+
+    def __init__(self, memory: MemoryStore, slots: npt.NDArray[np.int64]) -> None:
+        self.memory = memory
+        self.slots = slots
+
+    def write_to(self, medium: Any, spec: LoadStoreSpec) -> None:
+        medium.write_pieces(spec, self.memory.slot_parts(self.slots))
+
+
 class _Staging:
     """Contiguous host rows (what `BlockStore.write_blocks` takes), cut into segment
     views `[num_rows, seg]` like a device cache for the gather/scatter copies."""
@@ -392,3 +408,6 @@ class _Staging:
             self.buffer[:, k * size : (k + 1) * size] for k in range(layout.num_segments)
         ]
         self.rows = [memoryview(row) for row in self.buffer.numpy()]
+
+    def write_to(self, medium: BlockStore, spec: LoadStoreSpec) -> None:
+        medium.write_blocks(spec, self.rows)

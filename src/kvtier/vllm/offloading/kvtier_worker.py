@@ -46,6 +46,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.connector.tier_config import TierConfig
 from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeStoreSpec
+from kvtier.offload.mediums import BlockIDsLoadStoreSpec
 from kvtier.remote.head_codec import header_size
 from kvtier.remote.kv_store import LoadGuard
 from kvtier.remote.remote_manager import RemoteLoadStoreSpec
@@ -54,7 +55,7 @@ from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
 from kvtier.store.shared_disk import SharedDiskStore
 from kvtier.transfer.cascade_handler import CascadeHandler
-from kvtier.transfer.handlers import StagedHandler
+from kvtier.transfer.handlers import SlotPieces, StagedHandler
 from kvtier.transfer.pages import PagedDeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
@@ -83,6 +84,35 @@ def _slots_of(part: Part) -> list[tuple[int, BlockHash]]:
         return []
     hashes = part.block_hashes
     return [(slot, hashes[p]) for slot, p in zip(slots.tolist(), positions, strict=True)]
+
+
+def _cpu_slots(subs: list[tuple[int, Part]]) -> dict[int, tuple[int, int]]:
+    """Job position -> (the local part's sub, the CPU slot it writes there)."""
+    out: dict[int, tuple[int, int]] = {}
+    for sub, part in subs:
+        spec = part.spec
+        if isinstance(spec, CascadeStoreSpec) and spec.cpu is not None:
+            slots, positions = spec.cpu.block_ids, [part.positions[i] for i in spec.cpu_positions]
+        elif part.tier == LOCAL and isinstance(spec, BlockIDsLoadStoreSpec):
+            slots, positions = spec.block_ids, part.positions
+        else:
+            continue
+        for position, slot in zip(positions, slots.tolist(), strict=True):
+            out[position] = (sub, slot)
+    return out
+
+
+def _subpart(part: Part, picked: list[int]) -> Part:
+    """The blocks of a remote store part at these indices of it."""
+    spec = part.spec
+    assert isinstance(spec, RemoteLoadStoreSpec)
+    hashes = [part.block_hashes[i] for i in picked]
+    return Part(
+        part.tier,
+        [part.positions[i] for i in picked],
+        hashes,
+        RemoteLoadStoreSpec([spec.block_hashes[i] for i in picked], spec.salt),
+    )
 
 
 def _own(part: Part, **state: Any) -> Part:
@@ -142,6 +172,8 @@ class _Job:
     device_ids: npt.NDArray[np.int64]
     promotion: Part | None = None  # written once the remote part has loaded
     waiting: dict[int, Part] = field(default_factory=dict)
+    # a store's Redis parts written from the CPU slots a local part fills: by that part
+    after: dict[int, list[tuple[int, Part]]] = field(default_factory=dict)
     ok: bool = True
     bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
@@ -283,6 +315,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
             if isinstance(handler, StagedHandler) and handler.kv.device.type == "cpu"
             else None
         )
+        # Redis store blocks that the job also puts in the CPU tier are written from
+        # there (`SlotPieces`) where the slots hold whole blocks as Redis keeps them
+        self._from_slots = (
+            self._stager is not None
+            and remote_sharing is None
+            and hasattr(self._stager.medium, "write_pieces")
+        )
         freeze_startup_heap()
 
     # --- submission ----------------------------------------------------------
@@ -321,10 +360,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
             parts = self._admit_stores(parts)
         subs = [(next(self._sub_ids), part) for part in parts]
         if not is_load and self.report_failures:
-            subs = self._stage_remote(subs, device_ids)
+            subs, job.after = self._stage_remote(subs, device_ids)
         with self._lock:
             self._jobs[job_id] = job
-            for sub, part in subs:
+            for sub, part in [*subs, *(d for ds in job.after.values() for d in ds)]:
                 job.waiting[sub] = part
                 self._owner[part.tier, sub] = job_id
             if not subs:
@@ -357,21 +396,41 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def _stage_remote(
         self, subs: list[tuple[int, Part]], device_ids: npt.NDArray[np.int64]
-    ) -> list[tuple[int, Part]]:
-        """Copy each Redis store part's blocks into host memory now, so that vLLM may
-        reuse the engine's blocks without waiting for a slow Redis (its flush, `wait`).
-        The copies are what the Redis store queue counts: at most its bound in all (a
-        part larger than the whole bound is sent from the engine's blocks instead)."""
+    ) -> tuple[list[tuple[int, Part]], dict[int, list[tuple[int, Part]]]]:
+        """Free the engine's blocks of each Redis store part from a slow Redis (vLLM's
+        flush, `wait`, need not wait for it): the blocks that the job's local part also
+        writes into CPU slots are written to Redis from those slots once that part is
+        done (returned by local part, to submit then); the others are copied into host
+        memory now. The copies are what the Redis store queue counts: at most its bound
+        in all (a part larger than the whole bound is sent from the engine's blocks)."""
         if self._stager is None:
-            return subs
-        staged = []
+            return subs, {}
+        in_cpu = _cpu_slots(subs) if self._from_slots else {}
+        staged: list[tuple[int, Part]] = []
+        after: dict[int, list[tuple[int, Part]]] = {}
         for sub, part in subs:
             nbytes = len(part.positions) * self._block_bytes
-            if isinstance(part.spec, RemoteLoadStoreSpec) and nbytes <= self._store_cap[REMOTE]:
-                part = _own(part, staged=self._stager.snapshot(device_ids[part.positions]))
-                self._staged.add(sub)
-            staged.append((sub, part))
-        return staged
+            if not isinstance(part.spec, RemoteLoadStoreSpec) or nbytes > self._store_cap[REMOTE]:
+                staged.append((sub, part))
+                continue
+            by_local: dict[int, list[int]] = {}
+            rest = []
+            for i, position in enumerate(part.positions):
+                if position in in_cpu:
+                    by_local.setdefault(in_cpu[position][0], []).append(i)
+                else:
+                    rest.append(i)
+            for local, picked in by_local.items():
+                slots = np.array([in_cpu[part.positions[i]][1] for i in picked], dtype=np.int64)
+                piece = _own(_subpart(part, picked), staged=SlotPieces(self.memory, slots))
+                after.setdefault(local, []).append((next(self._sub_ids), piece))
+            if rest:
+                piece = part if len(rest) == len(part.positions) else _subpart(part, rest)
+                snapshot = self._stager.snapshot(device_ids[piece.positions])
+                staged.append((next(self._sub_ids), _own(piece, staged=snapshot)))
+        self._staged.update(sub for sub, part in staged if part.tier == REMOTE)
+        self._staged.update(sub for parts in after.values() for sub, _ in parts)
+        return staged, after
 
     # --- results -------------------------------------------------------------
 
@@ -458,8 +517,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             if tier == REMOTE:
                 self._staged.discard(sub)
             if not job.is_load and self.report_failures:  # its room in the queue is free
-                queued = self._store_queued[part.tier] - len(part.positions) * self._block_bytes
-                self._store_queued[part.tier] = max(queued, 0)
+                self._dequeue(part)
             job.bytes += nbytes
             direction = "load" if job.is_load and part is not job.promotion else "store"
             timed = f"{_medium_of(part)}:{direction}"
@@ -478,6 +536,16 @@ class KvtierOffloadingWorker(OffloadingWorker):
             elif not ok:  # a store, or a promotion (its load went fine: not a failed load)
                 job.ok = job.ok and job.is_load
                 self._report.failed_stores.setdefault(part.tier, []).extend(part.block_hashes)
+            follow = job.after.pop(sub, [])
+            if follow and not ok:  # the Redis parts to write from its slots: not stored
+                for late, late_part in follow:
+                    del job.waiting[late], self._owner[REMOTE, late]
+                    self._staged.discard(late)
+                    self._dequeue(late_part)
+                    failed = self._report.failed_stores.setdefault(REMOTE, [])
+                    failed.extend(late_part.block_hashes)
+                follow = []
+            device_ids = job.device_ids
             if loaded_remote and job.promotion is not None:
                 if ok:  # the device now holds the blocks: copy them into their local slots
                     promote = (next(self._sub_ids), job.promotion, job.device_ids)
@@ -491,6 +559,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if promote is not None:
             sub, promotion, device_ids = promote
             self.workers[LOCAL].submit_store(sub, device_ids[promotion.positions], promotion.spec)
+        for late, late_part in follow:  # the CPU slots hold the blocks now (not read there)
+            self.workers[REMOTE].submit_store(late, device_ids[late_part.positions], late_part.spec)
+
+    def _dequeue(self, part: Part) -> None:
+        """A store part's room in its tier's queue is free (under the lock)."""
+        queued = self._store_queued[part.tier] - len(part.positions) * self._block_bytes
+        self._store_queued[part.tier] = max(queued, 0)
 
     def _finish(self, job_id: int, job: _Job) -> None:
         del self._jobs[job_id]
