@@ -326,13 +326,16 @@ def _workload(
                 server, (hook, after) = servers[side], hooks[side]
                 play = partial(run_load, server.url, "model", workload, rate, seed=i, before=hook)
                 cpu_before = rig_cpu() if rig_cpu is not None and side == "kvtier" else None
+                server_before = server.cpu_seconds()
                 summary, tiers, turns = _run_side(server, play, after)
+                server_cpu = server.cpu_seconds() - server_before
                 row[side] = {**asdict(summary), "tiers": tiers, "by_turn": turns}
-                rig = ""
+                row[side]["server_cpu_s"] = server_cpu
+                rig = f", server CPU s {server_cpu:.2f}"
                 if rig_cpu is not None and cpu_before is not None:
                     used = {k: v - cpu_before[k] for k, v in rig_cpu().items()}
                     row[side]["rig_cpu_s"] = used
-                    rig = ", CPU s of " + ", ".join(f"the {k} {v:.2f}" for k, v in used.items())
+                    rig += ", of " + ", ".join(f"the {k} {v:.2f}" for k, v in used.items())
                 brief = _brief(summary)
                 print(f"   {workload.name} rate {rate:.3f}/s {side}: {brief}{rig}", flush=True)
             runs.append(row)

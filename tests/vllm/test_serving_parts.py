@@ -8,6 +8,8 @@ import itertools
 import json
 import math
 import statistics
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,7 +18,7 @@ import pytest
 
 from kvtier.vllm.engines.chat_workloads import Workload, documents, multi_turn, unique
 from kvtier.vllm.engines.load_client import arrivals, messages_of, percentile, run_one_by_one
-from kvtier.vllm.engines.openai_server import kvtier_counters
+from kvtier.vllm.engines.openai_server import kvtier_counters, session_cpu_seconds
 
 WORDS = [f"w{i}" for i in range(100)]
 
@@ -144,3 +146,35 @@ def test_one_by_one_keeps_status_engine_and_runs_the_hook_between_requests(
     assert answers[1].error.startswith("HTTP 503: no engine answered")
     assert answers[3].text == "w3" and answers[3].cached_tokens == 3
     assert answers[3].prompt_tokens == 3  # its history: the first turn, its answer, then it
+
+
+BURN = """
+import sys, time
+started = time.process_time()
+while time.process_time() - started < 0.3:
+    pass
+print("burnt", flush=True)
+sys.stdin.read()
+"""
+LEADER = (
+    f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {BURN!r}]); exec({BURN!r})"
+)
+
+
+def test_a_servers_cpu_is_every_process_of_its_session() -> None:
+    """What bench_serving reports per side and run (`server_cpu_s`): a session of two
+    processes that burnt 0.3 CPU s each counts at least 0.6."""
+    leader = subprocess.Popen(
+        [sys.executable, "-c", LEADER],
+        stdin=subprocess.PIPE,  # the child's too: both wait for its end
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert leader.stdout is not None
+        assert [leader.stdout.readline() for _ in range(2)] == ["burnt\n"] * 2
+        assert session_cpu_seconds(leader.pid) >= 0.6
+    finally:
+        leader.communicate("")
+    assert leader.returncode == 0

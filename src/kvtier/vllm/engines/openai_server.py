@@ -92,6 +92,22 @@ class ServerConfig:
         }
 
 
+def session_cpu_seconds(session: int) -> float:
+    """The user and system CPU seconds of the live processes of a session (Linux's
+    /proc; a process that exits in the meantime is left out)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()  # after "pid (name) "
+        if int(fields[3]) == session:  # the session id
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
 class OpenAIServer:
     """One server process; `with` stops it (its whole session) whatever happened."""
 
@@ -140,6 +156,12 @@ class OpenAIServer:
                 if response.status == 200:
                     return
             time.sleep(1.0)  # a start takes tens of seconds: a poll interval
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user and system) so far of every live process of the server's
+        session: the API server, the engine core, its workers. A benchmark's figure
+        beside its timings: what each side took from the cores both share."""
+        return session_cpu_seconds(self.proc.pid)
 
     def get(self, path: str) -> str:
         with urllib.request.urlopen(self.url + path, timeout=60) as response:
