@@ -317,3 +317,27 @@ def test_every_shard_lookup_keeps_answers_until_all_are_in() -> None:
     lookup = EveryShardLookup(_SlowAnswers(3, 1), [_SlowAnswers(2, 2)])  # type: ignore[list-item,arg-type]
     answers = [lookup.lookup([b"k" * 32]) for _ in range(3)]
     assert answers == [None, None, 2]  # the shorter prefix, once both are in
+
+
+class _Trips:
+    """A worker's lookups as `lookup_in_flight` tells of them (None: between trips)."""
+
+    def __init__(self, trip: tuple[int, float] | None) -> None:
+        self.trip = trip
+
+    def lookup_in_flight(self) -> tuple[int, float] | None:
+        return self.trip
+
+
+def test_every_shard_lookup_is_behind_the_oldest_round_trip_on_its_way() -> None:
+    """A request waits for every worker's answer: the oldest trip ahead of it bounds its
+    wait from below (`RemoteRuns._behind_s`); trips are numbered apart per worker."""
+    from kvtier.vllm.offloading.shard_lookup import EveryShardLookup
+
+    first, second = _Trips(None), _Trips(None)
+    lookup = EveryShardLookup(first, [second])  # type: ignore[arg-type,list-item]
+    assert lookup.lookup_in_flight() is None
+    first.trip, second.trip = (7, 0.1), (7, 0.4)
+    assert lookup.lookup_in_flight() == (7 * 2 + 1, 0.4)  # the second worker's, older
+    second.trip = (8, 0.01)  # its trip ended and another began: the first is now oldest
+    assert lookup.lookup_in_flight() == (7 * 2 + 0, 0.1)

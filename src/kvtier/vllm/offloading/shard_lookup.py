@@ -105,6 +105,21 @@ class EveryShardLookup(OffloadingManager):
         """The first worker's store: its breaker and counters stand for the tier's."""
         return cast(Any, self.first).store
 
+    def lookup_in_flight(self) -> tuple[int, float] | None:
+        """The oldest of the workers' round trips on their way, and its seconds so far
+        (`RemoteOffloadingManager.lookup_in_flight`): a request waits for every
+        worker's answer, so each one's trip ahead of its questions is a floor on its
+        wait. Numbered apart per worker (a trip's number times the workers, plus the
+        worker's index), so that another worker's trip is never taken for it."""
+        oldest: tuple[int, float] | None = None
+        count = len(self._managers)
+        for index, manager in enumerate(self._managers):
+            in_flight = getattr(manager, "lookup_in_flight", None)
+            trip = None if in_flight is None else in_flight()
+            if trip is not None and (oldest is None or trip[1] > oldest[1]):
+                oldest = (trip[0] * count + index, trip[1])
+        return oldest
+
     def take_lookup_seconds(self) -> list[float]:
         seconds: list[float] = cast(Any, self.first).take_lookup_seconds()
         return seconds
