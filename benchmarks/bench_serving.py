@@ -54,8 +54,10 @@ from benchmarks.bench_redis import redis_server
 from benchmarks.common import write_result
 from benchmarks.peer_figures import Comparison
 from benchmarks.serving_profiles import (
+    DEFAULT_RIG,
     REDIS_CPU_POOLS,
     REDIS_SOCKET_TIMEOUT_S,
+    Rig,
     TierProfile,
     parse_profile,
     parse_profiles,
@@ -78,6 +80,7 @@ from kvtier.vllm.engines.openai_server import (
     kvtier_counters,
     running_servers,
 )
+from kvtier.vllm.engines.sessions import compute_cores, move_processes
 from kvtier.vllm.engines.tokenizer import words, write_tokenizer
 
 SERVING = ModelShape(
@@ -89,8 +92,6 @@ SIDES = ("vllm", "kvtier")
 REUSE_TARGET = (1.5, 0.5)
 NO_REUSE_TARGET = (0.97, 1.05)
 IDLE_BOUND = 2.0  # the reference rate keeps vLLM alone's TTFT p90 within this x idle
-# the stand-in for a remote Redis competes for the engines' cores as an equal (--rig-nice)
-RIG_NICE = 0
 
 
 @dataclass(frozen=True)
@@ -200,12 +201,12 @@ def bench(
     only: list[str],
     profiles: list[TierProfile] | None = None,
     repeats: int = 1,
-    rig_nice: int = RIG_NICE,
+    rig: Rig = DEFAULT_RIG,
 ) -> dict[str, Any]:
     """Every workload under every profile (default: kvtier's CPU tier alone), each beside
     vLLM alone, `repeats` times (see `_workload`). Results by workload, then by profile
-    where more than the default ran. `rig_nice`: the niceness of the redis-server and
-    the shaping proxy (each a process of its own), which stand in for a remote Redis."""
+    where more than the default ran. `rig`: how the redis-server and the shaping proxy
+    (each a process of its own), which stand in for a remote Redis, share the cores."""
     profiles = profiles or [parse_profile("cpu")]
     model = write_model(workdir / "model", setup.shape, weights=False)
     write_tokenizer(model, setup.shape.vocab)
@@ -222,8 +223,8 @@ def bench(
         if any(p.control for p in profiles):
             configs["vllm_control"] = alone
         if any(p.redis for p in profiles):
-            port = stack.enter_context(redis_server(rig_nice))
-            proxy = stack.enter_context(ProxyProcess(("127.0.0.1", port), nice=rig_nice))
+            port = stack.enter_context(redis_server(rig.nice))
+            proxy = stack.enter_context(ProxyProcess(("127.0.0.1", port), nice=rig.nice))
             cpu = REDIS_CPU_POOLS * setup.pool_blocks * block_bytes
             kvtier = transfer_config(
                 cpu_bytes_to_use=cpu,
@@ -235,7 +236,7 @@ def bench(
         servers = stack.enter_context(running_servers(configs, workdir))
         out: dict[str, Any] = {"servers_start_s": time.perf_counter() - started, "workloads": {}}
         if proxy is not None:
-            out["rig_nice"] = rig_nice
+            out["rig"] = {**asdict(rig), "cores": _place_rig(rig, servers, proxy, port)}
         warm = unique(words(setup.shape.vocab), 2, 64, 4, seed=99)
         for server in servers.values():
             run_one_by_one(server.url, "model", warm)
@@ -268,6 +269,24 @@ def bench(
             default = len(profiles) == 1 and profiles[0].name == "cpu"
             out["workloads"][name] = by_profile[profiles[0].name] if default else by_profile
     return out
+
+
+def _place_rig(
+    rig: Rig, servers: dict[str, OpenAIServer], proxy: ProxyProcess, redis_port: int
+) -> list[int] | None:
+    """With `rig.apart`, move the redis-server and the proxy off the cores the engines'
+    workers compute on; the cores they run on (None: any)."""
+    computing = compute_cores(server.proc.pid for server in servers.values())
+    rest = set(range(os.cpu_count() or 1)) - computing
+    if not rig.apart or not computing or not rest:
+        return None
+    client = redis.Redis(host="127.0.0.1", port=redis_port, socket_timeout=10)
+    try:
+        redis_pid = int(client.info("server")["process_id"])
+    finally:
+        client.close()
+    move_processes([redis_pid, proxy.pid], rest)
+    return sorted(rest)
 
 
 def _rig_cpu(proxy: ProxyProcess, redis_port: int) -> dict[str, float]:
@@ -530,15 +549,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--rig-nice",
-        default=str(RIG_NICE),
+        default="0",
         help="niceness (0-19) of the redis-server and the shaping proxy, which stand in "
-        "for a remote Redis on the engines' cores (default 0: equal terms); at 19 a "
-        "saturated engine starves them (a Redis starved by its machine: stores time out)",
+        "for a remote Redis on the engines' machine (default 0); at 19 a saturated "
+        "engine starves them (a Redis starved by its machine: stores time out)",
+    )
+    parser.add_argument(
+        "--rig-cores",
+        choices=("apart", "any"),
+        default="apart",
+        help="apart (the default): the redis-server and the proxy run off the cores the "
+        "engines' workers compute on, as a Redis on another machine takes none of the "
+        "model's compute; any: wherever the OS puts them (the figures before 2026-11-29)",
     )
     args = parser.parse_args(argv)
     setup = quick_setup() if args.quick else full_setup()
     try:
-        rig_nice = parse_rig_nice(args.rig_nice)
+        rig = Rig(parse_rig_nice(args.rig_nice), args.rig_cores == "apart")
         repeats = parse_repeats(args.repeats)
         profiles = parse_profiles(args.profiles)
         if args.rates is not None:
@@ -554,7 +581,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serving-") as tmp, \
             warnings.catch_warnings():  # fmt: skip
         warnings.simplefilter("ignore")
-        result = bench(setup, Path(tmp), only, profiles, repeats, rig_nice)
+        result = bench(setup, Path(tmp), only, profiles, repeats, rig)
     name = "serving-quick" if args.quick else "serving"
     if [p.name for p in profiles] != ["cpu"]:
         name += "-profiles"

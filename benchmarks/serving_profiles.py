@@ -41,6 +41,22 @@ FIELDS = {
 
 
 @dataclass(frozen=True)
+class Rig:
+    """How the stand-in for a remote Redis (the redis-server and the shaping proxy, each
+    a process of its own) shares the engines' machine: `nice`, its niceness; `apart`:
+    off the cores the engines' workers compute on (onto those vLLM keeps for its
+    scheduler and the connector's threads), as a Redis on another machine takes none of
+    the model's compute. vLLM alone never drives it, so wherever it takes compute, it
+    is counted against kvtier alone."""
+
+    nice: int = 0
+    apart: bool = True
+
+
+DEFAULT_RIG = Rig()
+
+
+@dataclass(frozen=True)
 class TierProfile:
     """One profile (see the module docstring); `name` is the text it was read from."""
 

@@ -7,18 +7,21 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from kvtier.vllm.engines.chat_workloads import Workload, documents, multi_turn, unique
 from kvtier.vllm.engines.load_client import arrivals, messages_of, percentile, run_one_by_one
-from kvtier.vllm.engines.openai_server import kvtier_counters, session_cpu_seconds
+from kvtier.vllm.engines.openai_server import kvtier_counters
+from kvtier.vllm.engines.sessions import compute_cores, move_processes, session_cpu_seconds
 
 WORDS = [f"w{i}" for i in range(100)]
 
@@ -178,3 +181,37 @@ def test_a_servers_cpu_is_every_process_of_its_session() -> None:
     finally:
         leader.communicate("")
     assert leader.returncode == 0
+
+
+WORKER = """
+import os, sys, threading
+open("/proc/self/comm", "w").write("VLLM::Worker")
+os.sched_setaffinity(0, {int(sys.argv[1])})  # as vLLM binds a worker's compute thread
+threading.Thread(target=sys.stdin.read, daemon=True).start()
+print("bound", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_cores_a_sessions_workers_compute_on_and_moving_a_process_off_them() -> None:
+    """How bench_serving keeps the stand-in for a remote Redis off the engines' compute
+    cores: the cores of the session's `VLLM::Worker` processes, and every thread of a
+    process moved onto the others."""
+    last = (os.cpu_count() or 1) - 1
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(last)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == "bound\n"
+        assert compute_cores([worker.pid]) == (set() if last == 0 else {last})
+        assert compute_cores([os.getsid(0)]) == set()  # no worker in this session
+        move_processes([worker.pid], {0})
+        tasks = list(Path(f"/proc/{worker.pid}/task").iterdir())
+        assert len(tasks) == 2
+        assert all(os.sched_getaffinity(int(t.name)) == {0} for t in tasks)
+    finally:
+        worker.communicate("")

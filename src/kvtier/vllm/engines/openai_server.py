@@ -33,6 +33,7 @@ from typing import Any
 from kvtier.net import free_port
 from kvtier.vllm.engines.compare import same_cpus_env
 from kvtier.vllm.engines.run import _pythonpath, end_session
+from kvtier.vllm.engines.sessions import session_cpu_seconds
 
 
 @dataclass(frozen=True)
@@ -90,22 +91,6 @@ class ServerConfig:
             "PYTHONPATH": _pythonpath(),
             "VLLM_SERVER_DEV_MODE": "1",
         }
-
-
-def session_cpu_seconds(session: int) -> float:
-    """The user and system CPU seconds of the live processes of a session (Linux's
-    /proc; a process that exits in the meantime is left out)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2 :].split()  # after "pid (name) "
-        if int(fields[3]) == session:  # the session id
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / ticks
 
 
 class OpenAIServer:

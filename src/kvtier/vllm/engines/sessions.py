@@ -1,0 +1,59 @@
+"""What a server's processes take from the machine, read from Linux's /proc: the CPU
+seconds of a session (a server and every process it started), and the cores its vLLM
+workers compute on. For benchmarks, which run both sides and their stand-ins for other
+machines (a Redis, a link) on the same few cores."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+WORKER_TITLE = "VLLM::Worker"  # the process title vLLM's CPU workers take
+
+
+def _processes() -> Iterator[tuple[int, str, list[str]]]:
+    """(pid, command name, the stat fields after the name) of each live process."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        yield int(stat.parent.name), name, text[text.rindex(")") + 2 :].split()
+
+
+def session_cpu_seconds(session: int) -> float:
+    """The user and system CPU seconds of the live processes of a session (a process
+    that exits in the meantime is left out)."""
+    ticks = sum(
+        int(fields[11]) + int(fields[12])  # utime, stime
+        for _, _, fields in _processes()
+        if int(fields[3]) == session  # the session id
+    )
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def compute_cores(sessions: Iterable[int]) -> set[int]:
+    """The cores the vLLM CPU workers of these sessions are bound to (their main
+    threads, where the model computes); empty where none is bound to fewer than all."""
+    wanted = set(sessions)
+    everything = set(range(os.cpu_count() or 1))
+    cores: set[int] = set()
+    for pid, name, fields in _processes():
+        if int(fields[3]) in wanted and name.startswith(WORKER_TITLE):
+            try:
+                allowed = os.sched_getaffinity(pid)
+            except OSError:
+                continue
+            if allowed != everything:
+                cores |= allowed
+    return cores
+
+
+def move_processes(pids: Iterable[int], cores: set[int]) -> None:
+    """Every thread of these processes onto `cores` (threads they start later inherit
+    their starter's cores)."""
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), cores)
