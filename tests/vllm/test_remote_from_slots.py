@@ -5,6 +5,7 @@ redis-server behind the shaping proxy (stalled, so that a store stays in flight)
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -135,5 +136,36 @@ def test_a_failed_cpu_copy_fails_the_redis_part_written_from_it(
         engine.manager.complete_store(keys, engine.ctx)
         assert engine.hits(keys) == 0
         assert redis.Redis(port=server.port).dbsize() == 0  # nothing reached Redis
+    finally:
+        next(servers, None)
+
+
+def test_a_store_larger_than_the_redis_queue_holds_the_engines_blocks(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """A Redis part past the whole queue bound is sent from the engine's blocks (not
+    copied, not from slots): vLLM's flush waits for it, stalled Redis and all."""
+    servers = serve_redis(tmp_path)
+    server = next(servers)
+    try:
+        with ShapingProxy(("127.0.0.1", server.port)) as proxy:
+            extra = {**EXTRA, "redis_url": proxy.url, "redis_store_queue_bytes": BLOCK_BYTES}
+            engine = Engine(extra)
+            engines.append(engine)
+            keys = keys_of(2, start=840)
+            data = engine.compute([0, 1], seed=16)
+            proxy.stall()
+            submit_store(engine, 1, keys, [0, 1])  # an empty queue takes it whole
+            flush = threading.Thread(target=engine.worker.wait, args=({1},), daemon=True)
+            flush.start()
+            flush.join(timeout=1.0)
+            assert flush.is_alive()  # it reads the engine's blocks: they stay held
+            proxy.resume()
+            flush.join(timeout=60)
+            assert not flush.is_alive()
+            engine.worker.wait_finished({1})
+            assert [(r.job_id, r.success) for r in engine.worker.get_finished()] == [(1, True)]
+            engine.manager.complete_store(keys, engine.ctx)
+            assert read_back(server.url, keys, [2, 3]) == list(data.values())
     finally:
         next(servers, None)

@@ -427,8 +427,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
             if rest:
                 piece = part if len(rest) == len(part.positions) else _subpart(part, rest)
                 snapshot = self._stager.snapshot(device_ids[piece.positions])
-                staged.append((next(self._sub_ids), _own(piece, staged=snapshot)))
-        self._staged.update(sub for sub, part in staged if part.tier == REMOTE)
+                staged.append((copied := next(self._sub_ids), _own(piece, staged=snapshot)))
+                self._staged.add(copied)
         self._staged.update(sub for parts in after.values() for sub, _ in parts)
         return staged, after
 
