@@ -280,11 +280,7 @@ def _place_rig(
     rest = set(range(os.cpu_count() or 1)) - computing
     if not rig.apart or not computing or not rest:
         return None
-    client = redis.Redis(host="127.0.0.1", port=redis_port, socket_timeout=10)
-    try:
-        redis_pid = int(client.info("server")["process_id"])
-    finally:
-        client.close()
+    redis_pid = int(_redis_info(redis_port, "server")["process_id"])
     move_processes([redis_pid, proxy.pid], rest)
     return sorted(rest)
 
@@ -292,13 +288,19 @@ def _place_rig(
 def _rig_cpu(proxy: ProxyProcess, redis_port: int) -> dict[str, float]:
     """CPU seconds so far of the shaping proxy's process and of the redis-server (its
     INFO cpu: user and system, every thread of it)."""
-    client = redis.Redis(host="127.0.0.1", port=redis_port, socket_timeout=10)
-    try:
-        cpu = client.info("cpu")
-    finally:
-        client.close()
+    cpu = _redis_info(redis_port, "cpu")
     server = float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
     return {"proxy": proxy.cpu_seconds, "redis_server": server}
+
+
+def _redis_info(port: int, section: str) -> dict[str, Any]:
+    """One section of the rig's redis-server's INFO."""
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=10)
+    try:
+        info: dict[str, Any] = client.info(section)
+    finally:
+        client.close()
+    return info
 
 
 def _resume(proxy: ProxyProcess | None) -> Callable[[], None]:
