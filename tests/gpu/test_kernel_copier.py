@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.transfer.cuda_copy import KernelCopier, prefer_kernel
+from kvtier.transfer import cuda_copy
+from kvtier.transfer.cuda_copy import HostSide, KernelCopier, fill_params, prefer_kernel
 from tests.gpu.kit import LAYOUTS, block_bytes, make_kv
 
 DEVICE_IDS = np.array([5, 2, 9, 10, 11, 0, 7, 30, 31], dtype=np.int64)
@@ -50,6 +51,74 @@ def test_blocks_reach_host_memory_and_come_back(
     for t, d in zip(targets.tolist(), DEVICE_IDS.tolist(), strict=True):
         assert block_bytes(kv, t) == before[d], f"block {t}"
     assert all(block_bytes(kv, b) == before[b] for b in set(range(32)) - set(targets.tolist()))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_kernels_address_every_layout_in_tritons_interpreter(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU part of the kernel's test: the same kernels, run by Triton's interpreter
+    on CPU tensors, with the parameters `_launch` writes (a bucket larger than the job:
+    the padding pairs move nothing)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    to_host, from_host = cuda_copy._triton_kernels.__wrapped__()  # interpreted: env read at jit
+    kv = make_kv(layout, 32, torch.device("cpu"), seed=4)
+    seg, num_segments, slots = kv.layout.segment_bytes, len(kv.segments), 10
+    bases = torch.tensor([s.data_ptr() for s in kv.segments], dtype=torch.int64)
+    strides = torch.tensor([s.stride(0) // 8 for s in kv.segments], dtype=torch.int64)
+    host = torch.zeros(slots * kv.layout.bytes_per_block, dtype=torch.uint8)
+    side = HostSide(host, seg, slots * seg)  # the CPU tier's segment-major planes
+    planes = host.view(num_segments, slots, seg)
+    words, block = seg // 8, 64
+    bucket = 16  # 9 pairs, 7 of padding
+    params = torch.zeros(cuda_copy._HEADER + 2 * bucket, dtype=torch.int64)
+    fill_params(params.numpy(), side, DEVICE_IDS, HOST_IDS, bucket)
+    grid = (bucket, num_segments, -(-words // block))
+    args = (bases, strides, params, words)
+    to_host[grid](*args, BLOCK=block, HEADER=cuda_copy._HEADER)
+    for d, h in zip(DEVICE_IDS.tolist(), HOST_IDS.tolist(), strict=True):
+        stored = b"".join(planes[k, h].numpy().tobytes() for k in range(num_segments))
+        assert stored == block_bytes(kv, d), f"host block {h}"
+    assert not planes[:, 7].any()  # a slot no pair named: untouched
+    before = {b: block_bytes(kv, b) for b in range(32)}
+    targets = np.array([12, 13, 14, 1, 20, 21, 3, 27, 15], dtype=np.int64)
+    fill_params(params.numpy(), side, targets, HOST_IDS, bucket)
+    from_host[grid](*args, BLOCK=block, HEADER=cuda_copy._HEADER)
+    for t, d in zip(targets.tolist(), DEVICE_IDS.tolist(), strict=True):
+        assert block_bytes(kv, t) == before[d], f"block {t}"
+    assert all(block_bytes(kv, b) == before[b] for b in set(range(32)) - set(targets.tolist()))
+
+
+def test_later_jobs_replay_a_graph_with_their_own_ids_and_host_memory(cuda: torch.device) -> None:
+    """After a bucket's first job (a plain launch, captured), its jobs replay the graph:
+    each with its own ids, and its own host memory (staging rows move between jobs)."""
+    kv = make_kv("per_layer", 64, cuda, seed=5)
+    copier = KernelCopier.for_device(kv)
+    assert copier is not None
+    seg, per = kv.layout.segment_bytes, kv.layout.bytes_per_block
+    rng = np.random.default_rng(0)
+    buffers = []  # all kept: every job's host memory at an address of its own
+    for job in range(6):
+        n = int(rng.integers(5, 9))  # one bucket (8) every time
+        ids = rng.permutation(64)[:n]
+        rows = torch.zeros(n * per, dtype=torch.uint8, pin_memory=True)
+        buffers.append(rows)
+        side = copier.host_side(rows, per, seg)
+        copier.to_host(ids, side, np.arange(n))
+        torch.cuda.synchronize()
+        for i, d in enumerate(ids.tolist()):
+            assert rows[i * per : (i + 1) * per].numpy().tobytes() == block_bytes(kv, d), job
+        before = {b: block_bytes(kv, b) for b in range(64)}
+        targets = rng.permutation(64)[:n]
+        copier.from_host(side, np.arange(n), targets)
+        torch.cuda.synchronize()
+        for t, d in zip(targets.tolist(), ids.tolist(), strict=True):
+            assert block_bytes(kv, t) == before[d], (job, t)
+        untouched = set(range(64)) - set(targets.tolist())
+        assert all(block_bytes(kv, b) == before[b] for b in untouched), job
+    assert copier.graphs, "graph capture failed: plain launches only"
+    assert set(copier._local.graphs) == {(0, 8), (1, 8)}
 
 
 def test_bad_arguments_name_what_is_wrong(cuda: torch.device) -> None:

@@ -18,7 +18,7 @@ from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockLoadError
 from kvtier.transfer import device
-from kvtier.transfer.device import coalesce_runs
+from kvtier.transfer.device import coalesce_runs, count_runs
 from kvtier.transfer.handlers import StagedHandler
 from kvtier.transfer.transfer_worker import TransferWorker
 from tests.transfer.helpers import (
@@ -56,6 +56,7 @@ def test_coalesce_runs_pairs_consecutive_ids_only() -> None:
     dst = np.array([0, 1, 3, 4, 5, 6], dtype=np.int64)
     assert coalesce_runs(src, dst) == [(4, 0, 2), (6, 3, 1), (9, 4, 2), (3, 6, 1)]
     assert coalesce_runs(src[:0], dst[:0]) == []
+    assert count_runs(src, dst) == 4 and count_runs(src[:0], dst[:0]) == 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["per_layer", "cross_layer"])

@@ -204,6 +204,14 @@ def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.stream(stream)
 
 
+def count_runs(src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64]) -> int:
+    """How many runs `coalesce_runs` would cut, without building them."""
+    if src_ids.size == 0:
+        return 0
+    step = (np.diff(src_ids) == 1) & (np.diff(dst_ids) == 1)
+    return 1 + int(src_ids.size - 1 - np.count_nonzero(step))
+
+
 def coalesce_runs(
     src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64]
 ) -> list[tuple[int, int, int]]:
