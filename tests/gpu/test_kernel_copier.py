@@ -121,6 +121,31 @@ def test_later_jobs_replay_a_graph_with_their_own_ids_and_host_memory(cuda: torc
     assert set(copier._local.graphs) == {(0, 8), (1, 8)}
 
 
+def test_a_graph_that_cannot_be_captured_leaves_plain_launches(
+    cuda: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Capture is an optimisation: where it fails, the job it followed is done, and the
+    jobs after it launch the kernel plainly, every byte right."""
+    kv = make_kv("per_layer", 16, cuda, seed=6)
+    copier = KernelCopier.for_device(kv)
+    assert copier is not None
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("capture refused (a test)")
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", refuse)
+    seg, per = kv.layout.segment_bytes, kv.layout.bytes_per_block
+    rows = torch.zeros(4 * per, dtype=torch.uint8, pin_memory=True)
+    side = copier.host_side(rows, per, seg)
+    for job in range(3):
+        ids = np.array([3, 7, 1, 12], dtype=np.int64) + job
+        copier.to_host(ids, side, np.arange(4))
+        torch.cuda.synchronize()
+        for i, d in enumerate(ids.tolist()):
+            assert rows[i * per : (i + 1) * per].numpy().tobytes() == block_bytes(kv, d), job
+    assert not copier.graphs and not copier._local.graphs
+
+
 def test_bad_arguments_name_what_is_wrong(cuda: torch.device) -> None:
     kv = make_kv("per_layer", 8, cuda, seed=2)
     copier = KernelCopier.for_device(kv)
