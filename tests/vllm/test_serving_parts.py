@@ -166,7 +166,9 @@ LEADER = (
 
 def test_a_servers_cpu_is_every_process_of_its_session() -> None:
     """What bench_serving reports per side and run (`server_cpu_s`): a session of two
-    processes that burnt 0.3 CPU s each counts at least 0.6."""
+    processes that burnt 0.3 CPU s each counts at least 0.6, less what the kernel's
+    counts in whole clock ticks leave out (under a tick of user and one of system time
+    a process: a CI run counted 0.59)."""
     leader = subprocess.Popen(
         [sys.executable, "-c", LEADER],
         stdin=subprocess.PIPE,  # the child's too: both wait for its end
@@ -177,7 +179,8 @@ def test_a_servers_cpu_is_every_process_of_its_session() -> None:
     try:
         assert leader.stdout is not None
         assert [leader.stdout.readline() for _ in range(2)] == ["burnt\n"] * 2
-        assert session_cpu_seconds(leader.pid) >= 0.6
+        ticks_left_out = 2 * 2 / os.sysconf("SC_CLK_TCK")
+        assert session_cpu_seconds(leader.pid) >= 0.6 - ticks_left_out
     finally:
         leader.communicate("")
     assert leader.returncode == 0
