@@ -80,7 +80,7 @@ class HostSide(NamedTuple):
 class KernelCopier:
     """Moves `kv`'s blocks to and from pinned host memory with one kernel per job."""
 
-    def __init__(self, kv: DeviceKV, *, graphs: bool = True) -> None:
+    def __init__(self, kv: DeviceKV) -> None:
         if kv.device.type != "cuda":
             raise ValueError(f"the kernel copier needs CUDA tensors, got {kv.device}")
         self.kv = kv
@@ -97,7 +97,7 @@ class KernelCopier:
         # Each copying thread's job parameters and CUDA graphs (a job ends only once its
         # kernel has, so the next job of the same thread may rewrite the parameters).
         self._local = threading.local()
-        self.graphs = graphs
+        self.graphs = True  # False once a capture failed (`_capture`)
 
     @classmethod
     def for_device(cls, kv: DeviceKV) -> KernelCopier | None:

@@ -204,12 +204,19 @@ def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.stream(stream)
 
 
+def _continues(
+    src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64]
+) -> npt.NDArray[np.bool_]:
+    """For each pair after the first: whether it continues the run before it, both sides."""
+    continues: npt.NDArray[np.bool_] = (np.diff(src_ids) == 1) & (np.diff(dst_ids) == 1)
+    return continues
+
+
 def count_runs(src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64]) -> int:
     """How many runs `coalesce_runs` would cut, without building them."""
     if src_ids.size == 0:
         return 0
-    step = (np.diff(src_ids) == 1) & (np.diff(dst_ids) == 1)
-    return 1 + int(src_ids.size - 1 - np.count_nonzero(step))
+    return int(src_ids.size - np.count_nonzero(_continues(src_ids, dst_ids)))
 
 
 def coalesce_runs(
@@ -218,8 +225,7 @@ def coalesce_runs(
     """Split paired ids into maximal runs consecutive on both sides: (src, dst, length)."""
     if src_ids.size == 0:
         return []
-    step = (np.diff(src_ids) == 1) & (np.diff(dst_ids) == 1)
-    starts = np.flatnonzero(~step) + 1
+    starts = np.flatnonzero(~_continues(src_ids, dst_ids)) + 1
     bounds = [0, *starts.tolist(), int(src_ids.size)]
     return [(int(src_ids[a]), int(dst_ids[a]), b - a) for a, b in itertools.pairwise(bounds)]
 
