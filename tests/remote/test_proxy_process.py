@@ -16,7 +16,7 @@ import redis
 from kvtier.remote.proxy_process import ProxyProcess, serve
 from kvtier.remote.shaping_proxy import LinkProfile, ShapingProxy
 from tests.remote.conftest import RedisServer
-from tests.remote.test_shaping_proxy import client
+from tests.remote.test_shaping_proxy import client, pass_two_mib_both_ways
 
 
 @pytest.fixture
@@ -26,11 +26,7 @@ def proxy(redis_server: RedisServer) -> Iterator[ProxyProcess]:
 
 
 def test_bytes_pass_and_the_child_counts_them_and_its_cpu(proxy: ProxyProcess) -> None:
-    value = bytes(range(256)) * 8192  # 2 MiB: several chunks each way
-    r = client(proxy)
-    r.set("k", value)
-    assert r.get("k") == value
-    assert proxy.bytes_forwarded >= 2 * len(value)
+    pass_two_mib_both_ways(proxy)
     assert proxy.cpu_seconds > 0.0
 
 

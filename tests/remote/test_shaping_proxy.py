@@ -26,12 +26,18 @@ def client(proxy: ShapingProxy | ProxyProcess, timeout_s: float = 30.0) -> redis
     return redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=timeout_s)
 
 
-def test_every_byte_passes_both_ways(proxy: ShapingProxy) -> None:
-    value = bytes(range(256)) * 8192  # 2 MiB: several chunks each way
+def pass_two_mib_both_ways(proxy: ShapingProxy | ProxyProcess) -> None:
+    """SET then GET 2 MiB (several chunks each way) through `proxy`: the same bytes back,
+    and each byte counted as forwarded both ways."""
+    value = bytes(range(256)) * 8192
     r = client(proxy)
     r.set("k", value)
     assert r.get("k") == value
     assert proxy.bytes_forwarded >= 2 * len(value)
+
+
+def test_every_byte_passes_both_ways(proxy: ShapingProxy) -> None:
+    pass_two_mib_both_ways(proxy)
     assert proxy.connections == 1
 
 
