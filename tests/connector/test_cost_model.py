@@ -191,6 +191,10 @@ def test_a_lookup_whose_first_block_was_found_is_waited_for_its_whole_saving() -
     assert cost.lookup_too_slow("redis", 10)  # a chance of a hit: not worth 20 ms
     assert cost.wait_budget_s("redis", 10, found=True) == pytest.approx(0.08)
     assert not cost.lookup_too_slow("redis", 10, found=True)  # a hit: worth it
+    # a caller that has the budget passes it, and is judged by it
+    budget = cost.wait_budget_s("redis", 10, found=True)
+    assert not cost.lookup_too_slow("redis", 10, budget_s=budget)
+    assert cost.lookup_too_slow("redis", 10, found=True, budget_s=0.02)  # 25 ms against 20
 
 
 def test_a_lookup_carries_blocks_while_carrying_them_costs_under_half_its_round_trip() -> None:

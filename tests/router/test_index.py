@@ -103,6 +103,15 @@ def test_a_reset_or_a_lost_engine_ends_the_guesses_and_zero_makes_none() -> None
     assert index.prefix_tiers("a", list(HASHES)) == []
 
 
+def test_a_rebuild_forgets_the_announcements_and_keeps_the_guesses() -> None:
+    index = BlockIndex(Clock())
+    index.stored("a", Tier.CPU, HASHES[2:])
+    index.routed("a", HASHES[:2], ttl_s=10.0)
+    index.drop_engine("a", keep_routed=True)
+    assert index.held_blocks("a") == 0
+    assert index.prefix_tiers("a", list(HASHES)) == [Tier.GPU, Tier.GPU]
+
+
 def test_an_int_hash_event_ends_the_guess_of_its_block() -> None:
     index = BlockIndex(Clock())
     index.routed("a", HASHES[:2], ttl_s=10.0)
@@ -114,7 +123,7 @@ class IndexMachine(RuleBasedStateMachine):
     """Any sequence of stores, removals, clears, drops, routed prompts and time passing:
     the index answers as a counter of (engine, hash, tier) announcements and a table of
     routed guesses (each until an event names its block, a reset or drop, or its
-    time runs out) do."""
+    time runs out; a rebuild from the replay buffer keeps them) do."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -177,6 +186,13 @@ class IndexMachine(RuleBasedStateMachine):
     def drop(self, engine: str) -> None:
         self.index.drop_engine(engine)
         self.routed = {k: v for k, v in self.routed.items() if k[0] != engine}
+        for key in list(self.model):
+            if key[0] == engine:
+                self.model[key] = 0
+
+    @rule(engine=st.sampled_from(ENGINES))
+    def rebuild(self, engine: str) -> None:
+        self.index.drop_engine(engine, keep_routed=True)
         for key in list(self.model):
             if key[0] == engine:
                 self.model[key] = 0

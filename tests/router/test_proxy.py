@@ -155,6 +155,26 @@ def test_a_prompt_routed_moments_ago_goes_where_it_went_before_its_events(
     run(scenario)
 
 
+def test_a_rebuilt_index_keeps_the_prompts_routed_moments_ago(tmp_path: Path) -> None:
+    """The subscriber rebuilds an engine's entries from its replay buffer (at the
+    router's start, an engine back): a prompt routed meanwhile, its events not yet in
+    the buffer, still draws its next turn."""
+
+    async def scenario() -> None:
+        async with setup(tmp_path, n=3) as s:
+            first = (await s.post())[1]["engine"]
+            state = s.router.engines[first]
+            publisher = s.publishers[int(first[1:])]
+            replays = publisher.replays
+            assert state.subscriber is not None
+            state.subscriber.resync()
+            await until(lambda: publisher.replays > replays, "the rebuild")
+            longer = [*PROMPT, *range(5000, 5000 + BLOCK)]
+            assert (await s.post(prompt=longer))[1]["engine"] == first
+
+    run(scenario)
+
+
 def test_round_robin_ignores_the_index(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with setup(tmp_path, policy="round-robin") as s:

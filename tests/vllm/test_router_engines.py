@@ -50,6 +50,7 @@ class RouterScenario:
     killed: tuple[Answer, ...]
     killed_taken_out: int  # times the router took the killed engine out
     killed_retries: int
+    kv_trail: str  # the KV run's router state and decisions, for a failure's message
 
 
 @pytest.fixture(scope="session")
@@ -69,8 +70,16 @@ def _play(source: Path, workdir: Path) -> RouterScenario:
         specs = tuple(engine_spec(s) for s in servers.values())
 
         def router(policy: str) -> Router:
-            # a loaded 2-core machine can keep a server's /health waiting for seconds
-            config = RouterConfig(specs, BLOCK, str(model), policy=policy, health_timeout_s=10)
+            # a loaded 2-core machine can keep a server's /health, or the router's own
+            # connection to it, waiting for seconds
+            config = RouterConfig(
+                specs,
+                BLOCK,
+                str(model),
+                policy=policy,
+                health_timeout_s=10,
+                connect_timeout_s=10,
+            )
             return Router(config, keep_decisions=1000)
 
         def run(
@@ -98,7 +107,21 @@ def _play(source: Path, workdir: Path) -> RouterScenario:
             tuple(killed),
             state.taken_out,
             killed_router.counters.retries,
+            _trail(kv_router),
         )
+
+
+def _trail(router: Router) -> str:
+    """What the router saw: each engine's outages and event stream, each decision."""
+    lines = [f"retries {router.counters.retries}, reasons {router.counters.by_reason}"]
+    for name, state in router.engines.items():
+        events = state.subscriber.counters if state.subscriber else None
+        lines.append(f"{name}: taken out {state.taken_out}, failures {state.failures}, {events}")
+    lines += [
+        f"{k}: {d.engine} ({d.reason}, {d.cached_blocks} of {d.prompt_blocks} blocks)"
+        for k, d in enumerate(router.decisions)
+    ]
+    return "\n".join(lines)
 
 
 def _cached(turns: tuple[Answer, ...]) -> int:
@@ -123,7 +146,7 @@ def test_every_returning_turn_goes_to_the_engine_that_holds_it(
     for (c, t), turn in by_turn.items():
         if t == 0:
             continue
-        assert turn.engine == by_turn[(c, t - 1)].engine, (c, t)
+        assert turn.engine == by_turn[(c, t - 1)].engine, ((c, t), router_scenario.kv_trail)
         assert turn.cached_tokens >= by_turn[(c, t - 1)].prompt_tokens // BLOCK * BLOCK
     # round-robin, for contrast, sends half of them elsewhere
     rr = {(t.session, t.turn): t.engine for t in router_scenario.round_robin}
@@ -156,5 +179,7 @@ def test_the_multi_engine_replay_routes_returning_turns_as_the_real_run(
     replayed = replay_engines(workload, config, 2, "kv").assignment
     real = [t.engine for t in router_scenario.kv]
     returning = [k for k, t in enumerate(router_scenario.kv) if t.turn > 0]
-    assert [replayed[k] for k in returning] == [real[k] for k in returning]
+    assert [replayed[k] for k in returning] == [real[k] for k in returning], (
+        router_scenario.kv_trail
+    )
     assert list(replayed) == real  # the cold first turns take the same turns too

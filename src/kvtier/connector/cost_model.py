@@ -375,6 +375,7 @@ class CostModel:
         found: bool = False,
         stored: bool = False,
         behind_s: float = 0.0,
+        budget_s: float | None = None,
     ) -> bool:
         """Whether `tier`'s lookups take longer than they could save (`lookup_seconds`,
         times WAIT_MARGIN, against `wait_budget_s`): ask it in the background for later
@@ -383,6 +384,7 @@ class CostModel:
         trips take at least that now. The estimate learns a round trip's time when it
         ends: a tier that stalls (or a first lookup that is slow, before any is
         measured) would hold every request that came meanwhile for its whole budget.
+        `budget_s`: `wait_budget_s` of the same lookup, where the caller has it already.
 
         Why a margin: near the break-even a wait gains nothing on average, and what the
         estimates leave out only adds to a wait (the engine step that runs the load,
@@ -396,8 +398,9 @@ class CostModel:
         seconds = self.lookup_seconds(tier, num_blocks)
         if behind_s > 0:
             seconds = max(seconds or 0.0, behind_s)
-        budget = self.wait_budget_s(tier, num_blocks, found, stored)
-        return seconds is not None and seconds * WAIT_MARGIN > budget
+        if budget_s is None:
+            budget_s = self.wait_budget_s(tier, num_blocks, found, stored)
+        return seconds is not None and seconds * WAIT_MARGIN > budget_s
 
     def gauges(self) -> dict[tuple[str, str], float]:
         """The estimates, by (metric key, tier), for `/metrics`."""

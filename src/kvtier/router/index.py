@@ -128,9 +128,16 @@ class BlockIndex:
             for tier in [t for t in tiers if t is not Tier.SHARED]:
                 self._forget(held, h, tiers, tier, tiers[tier])
 
-    def drop_engine(self, engine: str) -> None:
-        """Forget everything the engine announced (restarted, or its events stopped)."""
-        self._routed.pop(engine, None)
+    def drop_engine(self, engine: str, keep_routed: bool = False) -> None:
+        """Forget everything the engine announced (restarted, or its events stopped).
+
+        `keep_routed`: the router's own guesses stay (an events stream rebuilt from
+        the engine's replay buffer: a prompt routed while the subscriber rebuilt, or
+        before its first batch came, is still on its way to the engine's pool; a
+        router starting under load lost the first request's guess to its own
+        subscriber's start)."""
+        if not keep_routed:
+            self._routed.pop(engine, None)
         for h, tiers in self._held.pop(engine, {}).items():
             count = tiers.get(Tier.SHARED, 0)
             if count:

@@ -11,6 +11,9 @@ applies batches in order, once each:
   its entries are dropped and the new stream is followed from its start;
 - `resync()` (the engine was taken out and is back, or the router just started)
   drops the engine's entries and rebuilds them from the replay buffer.
+
+The router's guesses of prompts just routed (`BlockIndex.routed`) are its own, not
+the stream's: a rebuild keeps them, and the engine's events end them as usual.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class EventSubscriber:
         while True:
             if self._resync:
                 self._resync = False
-                self.index.drop_engine(self.spec.name)
+                self.index.drop_engine(self.spec.name, keep_routed=True)
                 self._expected = None
                 if self.spec.replay is not None:
                     await self._replay(0)
@@ -102,7 +105,7 @@ class EventSubscriber:
                 expected,
             )
             self.counters.restarts += 1
-            self.index.drop_engine(self.spec.name)
+            self.index.drop_engine(self.spec.name, keep_routed=True)
             self._expected = expected = None
         if replay and seq > (expected or 0):
             await self._replay(expected or 0)

@@ -171,9 +171,10 @@ class RemoteRuns:
             behind = self._behind_s(plan)
             # before the prompt's length is known, a first pass cannot tell what the
             # lookup could save: it lists the prompt's keys and asks them all
+            budget = cost.wait_budget_s("redis", blocks, found, stored)
             patient = (plan.end is None and plan.passes < 2) or not (
-                cost.lookup_too_slow("redis", blocks, found, stored, behind)
-                or now - plan.waiting_since > cost.wait_budget_s("redis", blocks, found, stored)
+                cost.lookup_too_slow("redis", blocks, behind_s=behind, budget_s=budget)
+                or now - plan.waiting_since > budget
             )
             if not patient and not cost.worth_loading("redis", blocks):
                 # loads predicted slower than recomputing are not waited for, so they
