@@ -127,6 +127,7 @@ class FakePublisher:
         self._router = ctx.socket(zmq.ROUTER)
         self._router.bind(self.replay_endpoint)
         self.replays = 0
+        self.ignore_replays = 0  # replay requests to leave unanswered (a stalled publisher)
         self._task = asyncio.create_task(self._serve_replay())
 
     def publish(self, events: list[Event], *, payload: bytes | None = None, send: bool = True):
@@ -148,6 +149,9 @@ class FakePublisher:
         while True:
             client, _, start = await self._router.recv_multipart()
             self.replays += 1
+            if self.ignore_replays > 0:
+                self.ignore_replays -= 1
+                continue
             first = int.from_bytes(start, "big")
             for seq, data in self.buffer:
                 if seq >= first:

@@ -319,6 +319,21 @@ def test_missed_batches_are_replayed_and_a_restart_drops_the_engine(tmp_path: Pa
     run(scenario)
 
 
+def test_a_replay_that_stalls_is_asked_again(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with setup(tmp_path, replay_timeout_s=0.2) as s:
+            pub, index = s.publishers[0], s.router.index
+            counters = s.router.engines["e0"].subscriber.counters  # type: ignore[union-attr]
+            await until(lambda: pub.replays >= 1, "the start-up replay")
+            pub.ignore_replays = 1  # the engine's publisher too busy to answer once
+            pub.publish([stored(HASHES[:1])], send=False)  # lost on the way
+            pub.publish([stored(HASHES[1:2])])
+            await until(lambda: index.held_blocks("e0") == 2, "the gap filled")
+            assert counters.missed == 0 and pub.replays >= 3
+
+    run(scenario)
+
+
 def test_a_new_router_rebuilds_its_index(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with setup(tmp_path) as s:

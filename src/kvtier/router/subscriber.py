@@ -6,7 +6,8 @@ every buffered batch from there, then an end marker (number -1). The subscriber
 applies batches in order, once each:
 
 - a gap in the numbers (a slow joiner, a full queue) is filled from the replay
-  socket when there is one, else counted as missed;
+  socket when there is one (asked again when its answer stalls), else counted as
+  missed;
 - a number lower than expected means the engine restarted: what it held is gone,
   its entries are dropped and the new stream is followed from its start;
 - `resync()` (the engine was taken out and is back, or the router just started)
@@ -31,6 +32,7 @@ from kvtier.router.index import BlockIndex
 
 log = logging.getLogger(__name__)
 _END = (-1).to_bytes(8, "big", signed=True)
+REPLAY_ATTEMPTS = 3  # replay requests that time out before a gap is counted missed
 
 
 @dataclass
@@ -130,7 +132,25 @@ class EventSubscriber:
             self.index.apply(self.spec.name, event)
 
     async def _replay(self, start: int) -> None:
-        """Apply the publisher's buffered batches numbered `start` and on."""
+        """Apply the publisher's buffered batches numbered `start` and on.
+
+        A replay that stops answering (vLLM's publisher serves it from a thread of the
+        engine's busy process) is asked again from the first batch still wanted, up to
+        REPLAY_ATTEMPTS times, before the gap is counted missed: a batch missed is never
+        asked for again, and its blocks stay unknown until the engine names them."""
+        for attempt in range(REPLAY_ATTEMPTS):
+            if attempt and self._expected is not None:
+                start = max(start, self._expected)
+            if await self._replay_once(start):
+                return
+        log.warning(
+            "engine %s: no end to the KV events replay in %d attempts",
+            self.spec.name,
+            REPLAY_ATTEMPTS,
+        )
+
+    async def _replay_once(self, start: int) -> bool:
+        """One replay request; whether its end marker came."""
         assert self.spec.replay is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -140,12 +160,12 @@ class EventSubscriber:
             while await sock.poll(int(self._replay_timeout_s * 1000)):
                 frames = await sock.recv_multipart()
                 if len(frames) != 4 or frames[2] == _END:
-                    return
+                    return True
                 _empty, _topic, seq_bytes, payload = frames
                 seq = int.from_bytes(seq_bytes, "big")
                 if self._expected is None or seq >= self._expected:
                     self.counters.replayed += 1
                     self._apply(seq, payload)
-            log.warning("engine %s: no end to the KV events replay", self.spec.name)
+            return False
         finally:
             sock.close(linger=0)
