@@ -339,7 +339,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table", type=Path, help="print a result's table, run nothing")
     args = parser.parse_args(argv)
     if args.table is not None:
-        print(markdown_table(json.loads(args.table.read_text())))
+        try:
+            result = json.loads(args.table.read_text())
+        except (OSError, ValueError) as error:
+            parser.error(f"--table {args.table}: not a result of this benchmark ({error})")
+        if not isinstance(result, dict) or not isinstance(result.get("runs"), list):
+            parser.error(f"--table {args.table}: not a load result (no runs)")
+        print(markdown_table(result))
         return
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")

@@ -52,7 +52,7 @@ import redis
 
 from benchmarks.bench_redis import redis_server
 from benchmarks.common import write_result
-from benchmarks.peer_figures import Comparison
+from benchmarks.peer_figures import Comparison, paired
 from benchmarks.serving_profiles import (
     DEFAULT_RIG,
     REDIS_CPU_POOLS,
@@ -392,16 +392,13 @@ def comparisons(played: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
     """Per phase and figure (COMPARED): kvtier's median over the repeats against vLLM
     alone's, the larger of the two sides' spreads, and whether the gap is larger than
     the spread (`peer_figures.Comparison`; one repeat has no spread, so nothing it
-    shows is decisive); and each repeat's ratio (`per_repeat`)."""
+    shows is decisive); and each repeat's own ratio (`peer_figures.paired`)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for label, got in _phases(played):
         out[label] = {}
         for figure in COMPARED:
             ours, theirs = [g["kvtier"][figure] for g in got], [g["vllm"][figure] for g in got]
-            # each repeat's own ratio too: the sides ran back to back, so a drift of the
-            # machine between repeats moves both and leaves these alone
-            paired = [a / b if b else math.nan for a, b in zip(ours, theirs, strict=True)]
-            out[label][figure] = asdict(Comparison.of(ours, theirs)) | {"per_repeat": paired}
+            out[label][figure] = asdict(Comparison.of(ours, theirs)) | paired(ours, theirs)
     return out
 
 

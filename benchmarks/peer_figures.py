@@ -165,6 +165,20 @@ NO_REUSE_TTFT = 0.05  # its TTFT mean and p90 within 5%
 TTFT_FIGURES = ("ttft_mean_s", "ttft_p90_s")
 
 
+def paired(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
+    """Each repeat's own ratio of `a` over `b`, their median and spread: the sides of a
+    repeat ran back to back, so a drift of the machine between repeats moves both and
+    leaves these alone (reported beside the verdict, which judges the medians)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired repeats need as many on both sides, got {len(a)} and {len(b)}")
+    ratios = [x / y if y else float("nan") for x, y in zip(a, b, strict=True)]
+    return {
+        "per_repeat": ratios,
+        "paired_ratio": statistics.median(ratios) if ratios else None,
+        "paired_spread": spread(ratios),
+    }
+
+
 def compare_figures(
     repeats: Mapping[str, Sequence[ClientFigures]], a: str, b: str
 ) -> dict[str, Comparison]:
@@ -186,7 +200,7 @@ def verdicts(
     rate (inf: all at once), per side, its repeats."""
     lines: list[dict[str, Any]] = []
 
-    def line(target: str, rate: float, c: Comparison, ok: bool) -> None:
+    def line(target: str, rate: float, c: Comparison, ok: bool, pair: dict[str, Any]) -> None:
         lines.append(
             {
                 "target": target,
@@ -196,6 +210,14 @@ def verdicts(
                 "decisive": c.decisive,
                 "met": ok and c.decisive,
             }
+            | pair
+        )
+
+    def pair_of(
+        repeats: Mapping[str, Sequence[ClientFigures]], a: str, b: str, name: str
+    ) -> dict[str, Any]:
+        return paired(
+            [getattr(f, name) for f in repeats[a]], [getattr(f, name) for f in repeats[b]]
         )
 
     for rate, repeats in by_rate.items():
@@ -208,10 +230,18 @@ def verdicts(
                     rate,
                     c,
                     c.ratio >= REUSE_SATURATION,
+                    pair_of(repeats, "kvtier", "lmcache", "requests_per_s"),
                 )
             for name in TTFT_FIGURES:
                 c = vs_lmcache[name]
-                line(f"{name} <= {REUSE_TTFT}x LMCache's", rate, c, c.ratio <= REUSE_TTFT)
+                ok = c.ratio <= REUSE_TTFT
+                line(
+                    f"{name} <= {REUSE_TTFT}x LMCache's",
+                    rate,
+                    c,
+                    ok,
+                    pair_of(repeats, "kvtier", "lmcache", name),
+                )
             continue
         kvtier = compare_figures(repeats, "kvtier", "vllm")
         lmcache = compare_figures(repeats, "lmcache", "vllm") if "lmcache" in repeats else {}
@@ -233,6 +263,7 @@ def verdicts(
                     "decisive": resolved,
                     "met": abs(c.ratio - 1) <= bound and closer and resolved,
                 }
+                | pair_of(repeats, "kvtier", "vllm", name)
             )
     return lines
 

@@ -20,6 +20,7 @@ from benchmarks.peer_figures import (
     delta,
     fairness_problems,
     markdown_table,
+    paired,
     restart_verdicts,
     saturation_ceilings,
     side_orders,
@@ -161,6 +162,24 @@ def test_reuse_verdicts_need_the_target_by_more_than_the_spread() -> None:
     assert not verdicts(_by_rate(kvtier=[figures(rps=1.9)], lmcache=[figures()]), True)[0]["met"]
 
 
+def test_paired_ratios_cancel_the_drift_between_repeats() -> None:
+    # the machine slows by a fifth in the second repeat: both sides' medians spread by
+    # 20%, each repeat's own ratio not at all
+    got = paired([1.0, 0.8], [1.0, 0.8])
+    assert got == {"per_repeat": [1.0, 1.0], "paired_ratio": 1.0, "paired_spread": 0.0}
+    assert Comparison.of([1.0, 0.8], [1.0, 0.8]).spread == pytest.approx(0.2 / 0.9)
+    assert paired([2.0], [0.0])["per_repeat"] != [2.0]  # no ratio to a zero: nan
+    with pytest.raises(ValueError, match="as many on both sides"):
+        paired([1.0], [1.0, 2.0])
+    line = verdicts(
+        _by_rate(vllm=[figures(), figures(rps=0.8)], kvtier=[figures(rps=0.98), figures(rps=0.8)]),
+        reuse=False,
+    )[0]
+    assert line["per_repeat"] == pytest.approx([0.98, 1.0])
+    assert line["paired_ratio"] == pytest.approx(0.99)
+    assert line["paired_spread"] == pytest.approx(0.02 / 0.99)
+
+
 def test_no_reuse_verdicts_need_repeats_that_resolve_the_bound() -> None:
     steady = verdicts(
         _by_rate(vllm=[figures(), figures(rps=1.01)], kvtier=[figures(rps=0.99), figures()],
@@ -287,3 +306,17 @@ def test_the_saturation_ceiling_from_the_tokens_each_side_computed() -> None:
     # LMCache computing about what vLLM alone does: no line through two close points
     runs[0]["lmcache"] = side(4.0, 200, 900)
     assert saturation_ceilings(runs, ["multi_turn"])[0]["fit"] is None
+
+
+def test_the_table_of_a_file_that_is_no_load_result_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.bench_peers import main
+
+    not_runs = tmp_path / "restart.json"
+    not_runs.write_text('{"verdicts": []}')
+    for path, why in ((tmp_path / "none.json", "not a result"), (not_runs, "no runs")):
+        with pytest.raises(SystemExit):
+            main(["--table", str(path)])
+        err = capsys.readouterr().err
+        assert f"--table {path}: " in err and why in err, err

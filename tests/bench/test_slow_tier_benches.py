@@ -174,7 +174,8 @@ def test_serving_repeats_are_compared_by_medians_and_judged_against_their_spread
     assert rps["spread"] == pytest.approx(0.2)  # (2.2 - 1.8) / 2.0, and the same for vLLM
     assert rps["decisive"]
     assert got["idle"]["ttft_p90_s"] == {
-        "ratio": 0.5, "spread": 0.0, "decisive": True, "per_repeat": [0.5, 0.5, 0.5]
+        "ratio": 0.5, "spread": 0.0, "decisive": True, "per_repeat": [0.5, 0.5, 0.5],
+        "paired_ratio": 0.5, "paired_spread": 0.0,
     }  # fmt: skip
     assert rps["per_repeat"] == pytest.approx([2.0, 2.0, 2.0])
     close = comparisons(_played([1.0, 1.3], [1.1, 1.0]))["inf"]["requests_per_s"]
