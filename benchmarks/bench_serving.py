@@ -55,8 +55,8 @@ from benchmarks.common import write_result
 from benchmarks.peer_figures import Comparison, paired
 from benchmarks.serving_profiles import (
     DEFAULT_RIG,
-    REDIS_CPU_POOLS,
     REDIS_SOCKET_TIMEOUT_S,
+    SMALL_CPU_POOLS,
     Rig,
     TierProfile,
     parse_profile,
@@ -225,13 +225,21 @@ def bench(
         if any(p.redis for p in profiles):
             port = stack.enter_context(redis_server(rig.nice))
             proxy = stack.enter_context(ProxyProcess(("127.0.0.1", port), nice=rig.nice))
-            cpu = REDIS_CPU_POOLS * setup.pool_blocks * block_bytes
+            cpu = SMALL_CPU_POOLS * setup.pool_blocks * block_bytes
             kvtier = transfer_config(
                 cpu_bytes_to_use=cpu,
                 redis_url=proxy.url,
                 redis_socket_timeout_s=REDIS_SOCKET_TIMEOUT_S,
             )
             configs["kvtier_redis"] = replace(alone, kv_transfer_config=kvtier)
+        for profile in (p for p in profiles if p.disk):
+            # the whole workload fits on disk (file headers are bytes a block)
+            kvtier = transfer_config(
+                cpu_bytes_to_use=SMALL_CPU_POOLS * setup.pool_blocks * block_bytes,
+                disk_path=str(workdir / profile.server / "disk"),
+                disk_bytes_to_use=40 * setup.pool_blocks * block_bytes,
+            )
+            configs[profile.server] = replace(alone, kv_transfer_config=kvtier, env=profile.env)
         started = time.perf_counter()
         servers = stack.enter_context(running_servers(configs, workdir))
         out: dict[str, Any] = {"servers_start_s": time.perf_counter() - started, "workloads": {}}
@@ -531,8 +539,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--profiles",
         default="cpu",
-        help="tier profiles, comma list (benchmarks/serving_profiles.py): cpu, redis, "
-        "redis:delay_ms=N, redis:rate_mb_s=N, redis:stall_after=N (fields combine)",
+        help="tier profiles, comma list (benchmarks/serving_profiles.py): cpu, alone, redis, "
+        "redis:delay_ms=N, redis:rate_mb_s=N, redis:stall_after=N, disk, disk:read_ms=N, "
+        "disk:write_ms=N (fields combine)",
     )
     parser.add_argument(
         "--rates",

@@ -12,31 +12,44 @@ A profile names one kvtier server and, for a Redis tier, how the link to it is s
     redis:rate_mb_s=20                the link capped at 20 MB/s each way
     redis:stall_after=8               Redis stops answering after the run's 8th request
                                       (until the run ends)
+    disk                              a CPU tier over a local disk tier
+    disk:read_ms=50:write_ms=20       every block file the disk tier reads (writes) held
+                                      up this long in its I/O threads (a disk shared
+                                      with other writers; `kvtier.store.slow_io`)
 
 Fields combine (`redis:delay_ms=50:rate_mb_s=20`). Every profile runs beside vLLM alone
-on the same workload, rates and warm-up (bench_serving). The Redis server's CPU tier
-holds one pool's worth of blocks (`REDIS_CPU_POOLS`), so that a reuse workload's
-returning prefixes are also asked of Redis and its load-or-recompute decisions show;
-its Redis calls may take `REDIS_SOCKET_TIMEOUT_S` (an operator of a slow Redis raises
-the 0.25 s default; a stalled one then costs that long per call until the circuit
-breaker opens).
+on the same workload, rates and warm-up (bench_serving). The Redis and disk servers' CPU
+tiers hold one pool's worth of blocks (`SMALL_CPU_POOLS`), so that a reuse workload's
+returning prefixes are also asked of the tier below and its load-or-recompute
+decisions show; their disk tier or Redis holds the rest. The Redis server's calls may
+take `REDIS_SOCKET_TIMEOUT_S` (an operator of a slow Redis raises the 0.25 s default; a
+stalled one then costs that long per call until the circuit breaker opens). Each disk
+profile has a server of its own (the slow I/O is set in its worker's environment).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.remote.proxy_process import ProxyProcess
 from kvtier.remote.shaping_proxy import LinkProfile, ShapingProxy
+from kvtier.store.slow_io import ENV as DISK_IO_ENV
 
-REDIS_CPU_POOLS = 1
+SMALL_CPU_POOLS = 1
 REDIS_SOCKET_TIMEOUT_S = 2.0
 FIELDS = {
-    "delay_ms": "milliseconds added to each round trip, a number >= 0",
-    "rate_mb_s": "the link's cap each way in MB/s, a number > 0",
-    "stall_after": "requests answered before Redis stalls, an integer >= 0",
+    "redis": {
+        "delay_ms": "milliseconds added to each round trip, a number >= 0",
+        "rate_mb_s": "the link's cap each way in MB/s, a number > 0",
+        "stall_after": "requests answered before Redis stalls, an integer >= 0",
+    },
+    "disk": {
+        "read_ms": "milliseconds each block file's read is held up, a number >= 0",
+        "write_ms": "milliseconds each block file's write is held up, a number >= 0",
+    },
 }
 
 
@@ -66,13 +79,26 @@ class TierProfile:
     delay_s: float = 0.0
     rate_bytes_per_s: float | None = None
     stall_after: int | None = None
+    disk: bool = False
+    read_s: float = 0.0
+    write_s: float = 0.0
 
     @property
     def server(self) -> str:
-        """The server in kvtier's place (one per kind, shared by profiles)."""
+        """The server in kvtier's place (the Redis profiles share one; a disk profile
+        has its own, its slow I/O set in the environment)."""
         if self.control:
             return "vllm_control"
+        if self.disk:
+            return "kvtier_" + re.sub(r"[^a-z0-9]+", "_", self.name.lower()).strip("_")
         return "kvtier_redis" if self.redis else "kvtier"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The server's environment for the profile (`KVTIER_DISK_IO_DELAY`)."""
+        if not (self.read_s or self.write_s):
+            return {}
+        return {DISK_IO_ENV: f"read={self.read_s!r},write={self.write_s!r}"}
 
     @property
     def link(self) -> LinkProfile:
@@ -98,20 +124,26 @@ def parse_profile(text: str) -> TierProfile:
         return TierProfile(text)
     if kind == "alone" and not fields:
         return TierProfile(text, control=True)
-    if kind != "redis":
-        raise ValueError(
-            f"tier profile {text!r}: unknown kind {kind!r}; allowed: cpu, alone, "
-            f"redis[:FIELD=VALUE...] with FIELD one of {', '.join(FIELDS)}"
+    if kind not in FIELDS:
+        kinds = "; ".join(
+            f"{k}[:FIELD=VALUE...] with FIELD one of {', '.join(f)}" for k, f in FIELDS.items()
         )
+        raise ValueError(
+            f"tier profile {text!r}: unknown kind {kind!r}; allowed: cpu, alone, {kinds}"
+        )
+    allowed = FIELDS[kind]
     values: dict[str, float] = {}
     for field in fields:
         key, sep, raw = field.partition("=")
-        if key not in FIELDS or not sep:
+        if key not in allowed or not sep:
             raise ValueError(
                 f"tier profile {text!r}: {field!r} is not FIELD=VALUE with FIELD one of "
-                f"{', '.join(FIELDS)}"
+                f"{', '.join(allowed)}"
             )
-        values[key] = _number(text, key, raw)
+        values[key] = _number(text, key, raw, allowed[key])
+    if kind == "disk":
+        read, write = values.get("read_ms", 0.0), values.get("write_ms", 0.0)
+        return TierProfile(text, disk=True, read_s=read / 1000, write_s=write / 1000)
     stall = values.get("stall_after")
     return TierProfile(
         text,
@@ -122,8 +154,8 @@ def parse_profile(text: str) -> TierProfile:
     )
 
 
-def _number(profile: str, key: str, raw: str) -> float:
-    allowed = f"tier profile {profile!r}: {key}={raw!r}; {FIELDS[key]}"
+def _number(profile: str, key: str, raw: str, what: str) -> float:
+    allowed = f"tier profile {profile!r}: {key}={raw!r}; {what}"
     try:
         value = float(raw)
     except ValueError:

@@ -19,6 +19,7 @@ from benchmarks.bench_serving import (
 from benchmarks.serving_profiles import TierProfile, parse_profile, parse_profiles
 from benchmarks.vllm_crossover import SIDES, TOKENS, Request, plan, summarize
 
+from kvtier.store.slow_io import ENV, SlowIO
 from kvtier.vllm.engines import RequestResult
 from kvtier.vllm.engines.load_client import Answer
 
@@ -33,13 +34,22 @@ def test_profiles_are_read_field_by_field() -> None:
     assert parse_profile("alone") == TierProfile("alone", control=True)
     assert parse_profile("alone").server == "vllm_control"
     assert [p.name for p in parse_profiles("cpu,redis:delay_ms=5")] == ["cpu", "redis:delay_ms=5"]
+    slow_disk = parse_profile("disk:read_ms=50:write_ms=20")
+    assert (slow_disk.disk, slow_disk.read_s, slow_disk.write_s) == (True, 0.05, 0.02)
+    assert slow_disk.server == "kvtier_disk_read_ms_50_write_ms_20"
+    # the worker reads the delays from its environment, as kvtier.store.slow_io parses them
+    assert SlowIO.parse(slow_disk.env[ENV]) == SlowIO(read_s=0.05, write_s=0.02)
+    assert (parse_profile("disk").server, parse_profile("disk").env) == ("kvtier_disk", {})
+    assert not parse_profile("disk").redis and parse_profile("disk").stall_hook(None) is None
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("disk", "unknown kind 'disk'; allowed: cpu, alone, redis"),
+        ("ssd", "unknown kind 'ssd'; allowed: cpu, alone, redis[:FIELD=VALUE...]"),
         ("cpu:delay_ms=5", "unknown kind 'cpu'"),
+        ("disk:delay_ms=5", "'delay_ms=5' is not FIELD=VALUE with FIELD one of read_ms, write_ms"),
+        ("disk:read_ms=-1", "read_ms='-1'; milliseconds each block file's read is held up"),
         ("redis:delay=5", "'delay=5' is not FIELD=VALUE with FIELD one of delay_ms"),
         ("redis:delay_ms", "'delay_ms' is not FIELD=VALUE"),
         ("redis:delay_ms=-5", "delay_ms='-5'; milliseconds added to each round trip"),
