@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from kvtier.offload.cascade_manager import CascadeOffloadingManager
 from kvtier.offload.filter import FilterReusedOffloadingManager
 from kvtier.offload.policy_manager import CPUOffloadingManager
 from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
-from kvtier.transfer.cascade_handler import CascadeHandler
+from kvtier.transfer.cascade_handler import CascadeHandler, DiskWrite, split_disk_part
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
 from tests.transfer.helpers import block_bytes, random_kv
@@ -31,7 +33,10 @@ class Engine:
         disk_writes: str = "demote",
         promote: bool = True,
         disk_filter: bool = False,
+        split_writes: bool = False,
     ) -> None:
+        """`split_writes`: a store whose write-through reads its own CPU slots runs as
+        its copy and a write of its own, as kvtier's vLLM worker runs it."""
         self.kv = random_kv(layout, NUM_DEVICE_BLOCKS, seed=11)
         self.memory = MemoryStore(layout, cpu_blocks, checksums=True)
         self.disk_store = DiskStore(root, layout, DiskStore.capacity_for(layout, disk_blocks))
@@ -50,6 +55,9 @@ class Engine:
         self._next_job = 0
         self.load_targets: dict[int, list[int]] = {}
         self._next_target = 32
+        self.split_writes = split_writes
+        self._writes: dict[int, int] = {}  # a split store's write job -> the store's job
+        self._writes_only: set[int] = set()  # split stores with no copy left to run
 
     def store(self, hashes: list[BlockHash], device_ids: list[int]) -> list[BlockHash]:
         """prepare_store + submit; returns the hashes being stored."""
@@ -80,16 +88,43 @@ class Engine:
         job = self._next_job
         self._next_job += 1
         self._jobs[job] = (kind, hashes)
-        if kind == "store":
+        split = None
+        if kind == "store" and self.split_writes:
+            split = split_disk_part(spec, device_apart=True)  # type: ignore[arg-type]
+        if split is not None:
+            if split.copy is not None:
+                self.worker.submit_store(job, ids, split.copy)
+            writes = [split.from_slots] if split.from_slots is not None else []
+            if split.from_device is not None:
+                disk, picked = split.from_device
+                rows = self.handler.snapshot(np.asarray([ids[i] for i in picked], dtype=np.int64))
+                writes.append((DiskWrite(disk, staged=rows), picked))
+            for k, (write, _) in enumerate(writes):
+                write_id = -1 - 2 * job - k
+                self._writes[write_id] = job
+                self.worker.submit_write(write_id, write)
+            if split.copy is None:
+                self._writes_only.add(job)
+        elif kind == "store":
             self.worker.submit_store(job, ids, spec)  # type: ignore[arg-type]
         else:
             self.worker.submit_load(job, spec, ids)  # type: ignore[arg-type]
 
+    def results(self, job_ids: list[int]) -> dict[int, bool]:
+        """Wait for these jobs (a split store's write too); how each went."""
+        writes = [w for w, job in self._writes.items() if job in job_ids]
+        self.worker.wait([*(j for j in job_ids if j not in self._writes_only), *writes])
+        results: dict[int, bool] = {}
+        for job_id, ok, _, _ in self.worker.get_finished():
+            job_id = self._writes.pop(job_id, job_id)
+            results[job_id] = results.get(job_id, True) and ok
+        self._writes_only.difference_update(results)
+        return results
+
     def finish(self) -> dict[str, int]:
         """Wait for every job and complete it in the cascade; count outcomes."""
-        self.worker.wait(list(self._jobs))
         outcome = {"ok": 0, "failed": 0}
-        for job_id, ok, _, _ in self.worker.get_finished():
+        for job_id, ok in self.results(list(self._jobs)).items():
             kind, hashes = self._jobs.pop(job_id)
             if kind == "store":
                 self.cascade.complete_store(hashes, ok)

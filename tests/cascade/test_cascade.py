@@ -21,9 +21,12 @@ def hs(*ids: int) -> list[BlockHash]:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["per_layer", "cross_layer"])
-@pytest.mark.parametrize("disk_writes", ["demote", "write_through"])
+@pytest.mark.parametrize("disk_writes", ["demote", "write_through", "write_through_split"])
 def test_round_trip_through_both_tiers(layout: KVLayout, disk_writes: str, tmp_path: Path) -> None:
-    engine = Engine(layout, tmp_path, disk_writes=disk_writes)
+    split = disk_writes.endswith("_split")
+    engine = Engine(
+        layout, tmp_path, disk_writes=disk_writes.removesuffix("_split"), split_writes=split
+    )
     try:
         for job in range(6):  # 12 blocks through a 4-block CPU tier, jobs in flight together
             engine.store(hs(2 * job, 2 * job + 1), [2 * job, 2 * job + 1])
@@ -246,5 +249,31 @@ def test_a_load_of_ready_blocks_goes_ahead_of_the_stores_queued_before_it(tmp_pa
         assert block_bytes(engine.kv, cpu_target[0]) == engine.expected[hs(3)[0]]
         assert block_bytes(engine.kv, disk_target[0]) == engine.expected[hs(1)[0]]
         assert engine.cascade.lookup(hs(1, 3, 4, 5)) == 4
+    finally:
+        engine.close()
+
+
+def test_a_split_store_writes_its_blocks_as_they_were_when_submitted(tmp_path: Path) -> None:
+    """A store's disk part cut away from its copy (as kvtier's vLLM worker runs it): the
+    blocks the CPU tier takes are written from its slots, the ones it is too full for
+    from host rows copied at submission; the engine overwrites its blocks right after
+    (vLLM's flush waited for the copy alone), and the disk still gets the stored bytes."""
+    engine = Engine(
+        PER_LAYER, tmp_path, cpu_blocks=2, disk_writes="write_through", split_writes=True
+    )
+    try:
+        engine.store(hs(1, 2), [1, 2])
+        engine.store(hs(3, 4, 5), [3, 4, 5])  # 1 and 2 in flight: all of these go to disk
+        assert engine._writes_only == {1}  # the second store: no copy, its rows are taken
+        engine.worker.wait([0])  # vLLM's flush: the first store's copy into the CPU tier
+        for cache in engine.kv.segments:
+            cache[1:6] = 0  # the engine reuses its blocks
+        assert engine.finish() == {"ok": 2, "failed": 0}
+        stored = hs(1, 2, 3, 4, 5)
+        assert engine.cascade.lookup(stored) == 5
+        targets = engine.load(stored)
+        assert engine.finish() == {"ok": 1, "failed": 0}
+        for block_hash, target in zip(stored, targets, strict=True):
+            assert block_bytes(engine.kv, target) == engine.expected[block_hash]
     finally:
         engine.close()

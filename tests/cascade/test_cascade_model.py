@@ -41,12 +41,19 @@ class CascadeBytesMachine(RuleBasedStateMachine):
         per_layer=st.booleans(),
         disk_writes=st.sampled_from(["demote", "write_through"]),
         promote=st.booleans(),
+        split_writes=st.booleans(),
     )
-    def start(self, per_layer: bool, disk_writes: str, promote: bool) -> None:
+    def start(self, per_layer: bool, disk_writes: str, promote: bool, split_writes: bool) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="kvtier-cascade-model-"))
         layout = PER_LAYER if per_layer else CROSS_LAYER
         self.engine = Engine(
-            layout, self.root, cpu_blocks=3, disk_blocks=5, disk_writes=disk_writes, promote=promote
+            layout,
+            self.root,
+            cpu_blocks=3,
+            disk_blocks=5,
+            disk_writes=disk_writes,
+            promote=promote,
+            split_writes=split_writes,
         )
         self.flaky = FlakyDisk(self.engine.disk_store)
         self.checks: list[tuple[int, BlockHash]] = []  # (target device block, hash)
@@ -104,8 +111,7 @@ class CascadeBytesMachine(RuleBasedStateMachine):
     def finish(self) -> None:
         self.submit_deferred()
         jobs = dict(self.engine._jobs)
-        self.engine.worker.wait(list(jobs))
-        results = {r.job_id: r.ok for r in self.engine.worker.get_finished()}
+        results = self.engine.results(list(jobs))
         failed_targets: set[int] = set()
         for job_id, ok in results.items():
             kind, hashes = self.engine._jobs.pop(job_id)

@@ -18,8 +18,8 @@ from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockLoadError
 from kvtier.transfer import device
-from kvtier.transfer.device import coalesce_runs, count_runs
-from kvtier.transfer.handlers import StagedHandler
+from kvtier.transfer.device import DeviceKV, coalesce_runs, count_runs
+from kvtier.transfer.handlers import HostSlotHandler, StagedHandler
 from kvtier.transfer.transfer_worker import TransferWorker
 from tests.transfer.helpers import (
     CROSS_LAYER,
@@ -146,6 +146,44 @@ def test_full_queue_rejects_and_results_keep_submission_order() -> None:
         assert worker.wait([1, 2, 3])
         results = worker.get_finished()
     assert [(r.job_id, r.ok) for r in results] == [(1, True), (2, True), (3, False)]
+
+
+class GatedWrites(HostSlotHandler):
+    """A memory handler with writes from its own slots (`submit_write`) that wait for
+    `gate`; `written` lists the writes' specs in the order they ran."""
+
+    def __init__(self, kv: DeviceKV, memory: MemoryStore) -> None:
+        super().__init__(kv, memory)
+        self.gate = threading.Event()
+        self.written: list[str] = []
+
+    def write(self, spec: str) -> int:
+        self.gate.wait()
+        self.written.append(spec)
+        return 0
+
+
+def test_writes_run_apart_and_hold_back_no_store() -> None:
+    """A write from the medium's slots (the cascade's write-through) runs on a thread of
+    its own: a store submitted after a write that hangs is done, and its result given,
+    while the write still runs; writes keep their order among themselves."""
+    kv = random_kv(PER_LAYER, num_blocks=8, seed=5)
+    handler = GatedWrites(kv, MemoryStore(PER_LAYER, 8))
+    with TransferWorker(handler, ordered=True) as worker:
+        worker.submit_store(1, [0], CPULoadStoreSpec([0]))
+        worker.submit_write(2, "first")  # type: ignore[arg-type]
+        worker.submit_store(3, [1], CPULoadStoreSpec([1]))
+        worker.submit_write(4, "second")  # type: ignore[arg-type]
+        assert worker.wait([1, 3])
+        assert [(r.job_id, r.ok) for r in worker.get_finished()] == [(1, True), (3, True)]
+        assert not worker.wait([2], timeout=0)
+        handler.gate.set()
+        assert worker.wait([2, 4])
+        assert [r.job_id for r in worker.get_finished()] == [2, 4]
+    assert handler.written == ["first", "second"]
+    plain = TransferWorker.for_store(kv, MemoryStore(PER_LAYER, 8))
+    with plain, pytest.raises(TypeError, match="no writes from its own slots"):
+        plain.submit_write(5, CPULoadStoreSpec([0]))
 
 
 def test_caller_mistakes_raise_and_change_nothing() -> None:

@@ -7,6 +7,7 @@ reaches kvtier as `reset_cache()` on the scheduler side's manager.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from tests.remote.conftest import RedisServer, serve_redis
@@ -14,7 +15,7 @@ from tests.vllm.test_offloading_spec import BLOCK_BYTES, Engine, engines, keys_o
 
 with_engines = engines  # the fixture, under this module's name too
 
-from vllm.v1.kv_offload.base import LookupResult, Medium  # noqa: E402
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, Medium  # noqa: E402
 
 
 def block_files(path: Path) -> list[Path]:
@@ -141,3 +142,45 @@ def test_a_flush_writes_only_what_the_cpu_tier_holds_after_a_reset(
     restarted = Engine(extra)
     engines.append(restarted)
     assert restarted.hits(new) == 1 and restarted.hits(old) == 0
+
+
+def test_a_reset_waits_for_the_disk_writes_of_before_it(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """A store's write-through runs apart from its copy, and vLLM drops the jobs of
+    before a reset without waiting for their writes. The first job after the reset waits
+    for them, so its discards delete what they wrote: a write that finished later would
+    leave a block of before the reset for a restart to serve (after a weight update, the
+    same hash with other bytes). The disk is held until a timer lets it go, after the
+    next job is submitted; a worker that did not wait would run the discards first."""
+    extra = {
+        "cpu_bytes_to_use": 8 * BLOCK_BYTES,
+        "disk_path": str(tmp_path / "disk"),
+        "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
+    }
+    engine = Engine(extra)
+    engines.append(engine)
+    assert engine.worker.disk is not None
+    hung = threading.Event()
+    engine.worker.disk.io_hook = lambda kind: hung.wait() if kind == "write" else None
+    before = keys_of(2, start=70)
+    engine.compute([0, 1], seed=4)
+    out = engine.manager.prepare_store(before, engine.ctx)
+    assert out is not None
+    engine.worker.submit_store(90, GPULoadStoreSpec([0, 1], [2], [0]), out.store_spec)
+    engine.worker.wait({90})  # vLLM's flush at the reset: the copy only
+
+    engine.manager.reset_cache()  # job 90 is dropped, never completed here
+
+    after = keys_of(1, start=80)
+    engine.compute([2], seed=5)
+    out = engine.manager.prepare_store(after, engine.ctx)
+    assert out is not None and out.store_spec.epoch == 1
+    threading.Timer(0.2, hung.set).start()
+    engine.worker.submit_store(91, GPULoadStoreSpec([2], [1], [0]), out.store_spec)
+    engine.worker.wait_finished({90, 91})
+    assert {r.job_id for r in engine.worker.get_finished()} == {90, 91}
+    engine.manager.complete_store(out.keys_to_store, engine.ctx)
+    files = {p.stem for p in block_files(tmp_path / "disk")}
+    assert not any(key[:-4].hex() in name for key in before for name in files), files
+    assert any(after[0][:-4].hex() in name for name in files), files

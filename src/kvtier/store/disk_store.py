@@ -20,9 +20,11 @@ One open `DiskStore` owns its directory (an exclusive lock, see `kvtier.store.di
 a second opener, in this process or another, gets `DirectoryInUseError` naming the
 holder's pid. `close()` (or the process's end) gives the directory up.
 
-Threads: one writer and one reader (a transfer worker's two threads) and the
-scheduler's `discard` may run concurrently; the index is guarded by a lock and a file
-is only ever replaced atomically, so a reader sees an old or a new block, never half.
+Threads: writers of different blocks (the cascade worker's thread and its writer
+thread, `TransferWorker.submit_write`), a reader and the scheduler's `discard` may run
+concurrently; the index is guarded by a lock, each write has a temp file of its own,
+and a file is only ever replaced atomically, so a reader sees an old or a new block,
+never half.
 Each job's blocks are read or written by `io_threads` threads at once (see
 `kvtier.store.iothreads`): one thread verifying every block's xxh3 reaches only
 about 0.75 of a plain sequential read.

@@ -28,7 +28,8 @@ copy through staging rows (the disk store writes them with one `writev`).
 
 `spec` is whatever the medium's offloading `Backend` hands out (slot ids for CPU,
 block hashes for disk and remote stores). Stores are called from worker threads: one
-thread per direction, so a store sees at most one write and one read at a time, and
+thread per direction, so a store sees at most one write and one read at a time (the
+disk store, under the cascade, also writes other blocks from a writer thread), and
 must tolerate those two running concurrently. A raised exception fails that job only;
 the worker reports it and never lets it reach the scheduler.
 """

@@ -10,15 +10,29 @@ is recorded (`take_lost`) for the scheduler to forget, and the job goes on.
 Jobs must run in submission order across directions (`TransferWorker(...,
 ordered=True)`, which `worker()` builds): a block being demoted is read from its old
 CPU slot by any load submitted before the job that overwrites that slot, and from
-disk by any load submitted after it. The one exception is a load that only reads ready
-blocks (`load_may_pass`): it goes ahead of queued stores, so a CPU hit never waits for
-the disk writes queued before it.
+disk by any load submitted after it. The exceptions: a load that only reads ready
+blocks (`load_may_pass`) goes ahead of queued stores, so a CPU hit never waits for
+the disk writes queued before it; and a store's write-through runs as a job of its own
+(`split_disk_part`: the store's copy into its CPU slots, then a `DiskWrite` of those
+slots to disk, `TransferWorker.submit_write`) on the worker's writer thread, which
+waits for that copy and for nothing else; so do, on a CPU device, the blocks that a
+CPU tier too full to take them sends straight to disk, copied out of the engine's
+blocks into host rows when the store is submitted (as a slow Redis's are). vLLM waits
+for a store's copy out of the engine's blocks before it reuses them (its flush), and
+with the write-through in the same job, on the same thread as every later copy, it
+waited for the disk: with 20 ms a block file, an engine served 0.13x vLLM alone's
+requests/s. A write depends on no other job of its reset epoch: its blocks' store is
+in flight, so they are neither evicted, discarded, loaded nor stored again, and their
+CPU slots are handed to no other store until it completes; the worker waits for the
+writes of an epoch before the first job of the next (`KvtierOffloadingWorker`), whose
+discards delete what they wrote.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,6 +52,101 @@ from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
 
 log = logging.getLogger(__name__)
+# the longest a write waits for its copy, which was submitted before it: only a copy that
+# never ran and was never reported (a bug) keeps it that long
+COPY_WAIT_S = 60.0
+
+
+class CopyOutcome:
+    """How the copy a `DiskWrite` writes out went: `done` once it ended (or was given up
+    without running), `ok` if it filled the slots."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ok = False
+
+    def settle(self, ok: bool) -> None:
+        self.ok = self.ok or ok
+        self.done.set()
+
+
+@dataclass
+class DiskWrite(LoadStoreSpec):
+    """Write blocks to disk `disk` apart from the engine's blocks (a store's disk part):
+    from the CPU slots `slots` once the copy that fills them has (`copy`: a write whose
+    copy failed writes nothing, the slots holding other bytes), or from `staged`, host
+    rows copied out of the engine's blocks when the store was submitted."""
+
+    disk: LoadStoreSpec
+    slots: CPULoadStoreSpec | None = None
+    staged: Any = None
+    copy: CopyOutcome = field(default_factory=CopyOutcome, compare=False, repr=False)
+
+    @staticmethod
+    def medium() -> str:
+        return "CASCADE"
+
+
+@dataclass
+class CopyThenWrite(CascadeStoreSpec):
+    """The store of a split disk part: its copy into the CPU slots (and any demotion, and
+    any disk part still read from the engine's blocks), then `then`."""
+
+    then: DiskWrite | None = None
+
+
+@dataclass(frozen=True)
+class WriteSplit:
+    """A store spec as `split_disk_part` cuts it (positions index the store's blocks)."""
+
+    copy: CopyThenWrite | None  # None: nothing left to run but the writes
+    from_slots: tuple[DiskWrite, list[int]] | None  # written from the copy's CPU slots
+    from_device: tuple[DiskLoadStoreSpec, list[int]] | None  # for the caller to snapshot
+
+
+def split_disk_part(spec: CascadeStoreSpec, device_apart: bool) -> WriteSplit | None:
+    """The store's disk part cut away from its copy: the blocks it also puts in CPU slots
+    as a write from those slots (the write-through), and, with `device_apart`, the others
+    (a CPU tier too full to take them) for the caller to copy out of the engine's blocks
+    and write apart; None where there is no disk part to cut."""
+    if spec.disk is None or not spec.disk_positions:
+        return None
+    cpu_positions = spec.cpu_positions if spec.cpu is not None else []
+    in_cpu = {p: i for i, p in enumerate(cpu_positions)}
+    mine = [i for i, p in enumerate(spec.disk_positions) if p in in_cpu]
+    rest = [i for i, p in enumerate(spec.disk_positions) if p not in in_cpu]
+    if rest and not isinstance(spec.disk, DiskLoadStoreSpec):
+        return None  # (a disk part that cannot be cut by block)
+    if not mine and not (rest and device_apart):
+        return None
+
+    def part(picked: list[int]) -> tuple[DiskLoadStoreSpec, list[int]]:
+        disk = spec.disk
+        assert isinstance(disk, DiskLoadStoreSpec)
+        sub = DiskLoadStoreSpec(
+            [disk.block_hashes[i] for i in picked], [disk.block_ids[i] for i in picked]
+        )
+        return sub, [spec.disk_positions[i] for i in picked]
+
+    from_slots = None
+    if mine:
+        disk, positions = part(mine) if rest else (spec.disk, list(spec.disk_positions))
+        assert spec.cpu is not None
+        slots = spec.cpu.block_ids[[in_cpu[p] for p in positions]]
+        from_slots = (DiskWrite(disk, CPULoadStoreSpec(slots)), positions)
+    from_device = part(rest) if rest and device_apart else None
+    left = part(rest) if rest and not device_apart else None
+    copy = None
+    if cpu_positions or spec.demotion is not None or left is not None:
+        copy = CopyThenWrite(
+            spec.cpu,
+            list(cpu_positions),
+            None if left is None else left[0],
+            [] if left is None else left[1],
+            spec.demotion,
+            then=None if from_slots is None else from_slots[0],
+        )
+    return WriteSplit(copy, from_slots, from_device)
 
 
 class CascadeHandler:
@@ -106,12 +215,21 @@ class CascadeHandler:
         return lost + self.disk.take_dropped()
 
     def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
+        try:
+            return self._store(device_ids, spec, ready)
+        finally:  # a copy that failed (or wrote nothing) lets its write go on, to fail
+            if isinstance(spec, CopyThenWrite) and spec.then is not None:
+                spec.then.copy.settle(False)
+
+    def _store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
         if not isinstance(spec, CascadeStoreSpec):
             raise TypeError(f"cascade store job needs a CascadeStoreSpec, got {spec!r}")
         self._demote(spec.demotion)
         moved = 0
         if spec.cpu is not None and spec.cpu_positions:
             moved += self._host.store(device_ids[spec.cpu_positions], spec.cpu, ready)
+        if isinstance(spec, CopyThenWrite) and spec.then is not None:
+            spec.then.copy.settle(True)  # the slots hold the blocks: its write may run
         if spec.disk is not None:
             in_cpu = {p: i for i, p in enumerate(spec.cpu_positions)}
             if spec.cpu is not None and all(p in in_cpu for p in spec.disk_positions):
@@ -121,6 +239,28 @@ class CascadeHandler:
             else:
                 moved += self._staged.store(device_ids[spec.disk_positions], spec.disk, ready)
         return moved
+
+    def write(self, spec: LoadStoreSpec) -> int:
+        """A `DiskWrite` (`TransferWorker.submit_write`): from host rows copied at its
+        submission, or from the CPU slots its store's copy filled."""
+        if not isinstance(spec, DiskWrite):
+            raise TypeError(f"cascade write job needs a DiskWrite, got {spec!r}")
+        if spec.staged is not None:
+            staged, spec.staged = spec.staged, None  # its memory goes with the write
+            staged.write_to(self.disk, spec.disk)
+            return len(staged.rows) * self.kv.layout.bytes_per_block
+        if spec.slots is None:
+            raise ValueError("a DiskWrite needs slots or staged rows")
+        if not spec.copy.done.wait(COPY_WAIT_S) or not spec.copy.ok:
+            raise RuntimeError("the copy into its CPU slots failed: nothing to write")
+        slots = self.memory.slot_ids(spec.slots)
+        self.disk.write_segments(spec.disk, self.memory.slot_parts(slots))
+        return len(slots) * self.kv.layout.bytes_per_block
+
+    def snapshot(self, device_ids: npt.NDArray[np.int64]) -> Any:
+        """The engine's blocks copied into host rows now, for a `DiskWrite` (a CPU device
+        only: `StagedHandler.snapshot`)."""
+        return self._staged.snapshot(device_ids)
 
     def load(
         self, spec: LoadStoreSpec, device_ids: npt.NDArray[np.int64], ready: Any = None

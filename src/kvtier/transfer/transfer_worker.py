@@ -11,6 +11,11 @@ API (vLLM's offloading-worker shape):
   `get_finished`).
 - `submit_discard(job_id, block_hashes)`: delete blocks from a medium that keeps
   them by hash (the disk), in order with the stores.
+- `submit_write(job_id, spec)`: a store that reads no device block (`handler.write`:
+  the cascade's write-through, from the CPU slots a store just filled), on a thread of
+  its own in submission order among writes, its result released in that order: so
+  neither a later store's copy nor vLLM's flush of its device blocks waits for a slow
+  disk. The handler orders a write after the copy it writes out.
 
 Why this shape: the scheduler must never block on bytes, and must never see an
 exception from a medium. So each direction has one thread and a bounded queue; a
@@ -60,6 +65,7 @@ log = logging.getLogger(__name__)
 STORE = "store"
 LOAD = "load"
 DISCARD = "discard"  # delete blocks from the medium, in order with the stores
+WRITE = "write"  # a store from the medium's own slots (no device block read), apart
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
 _STOP = object()
 # A merged run takes queued jobs up to about this many bytes. The first job's result
@@ -172,7 +178,12 @@ class TransferWorker:
         )
         self._lock = threading.Condition()
         self._outstanding: set[int] = set()
-        self._order: dict[str, deque[int]] = {STORE: deque(), LOAD: deque(), DISCARD: deque()}
+        self._order: dict[str, deque[int]] = {
+            STORE: deque(),
+            LOAD: deque(),
+            DISCARD: deque(),
+            WRITE: deque(),
+        }
         self._done: dict[int, TransferResult] = {}
         self._finished: list[TransferResult] = []
         # job id -> time.perf_counter() when its thread took it up, until it finishes
@@ -190,10 +201,16 @@ class TransferWorker:
         }
         served = [shared] if ordered else list(self._queues.values())
         self._queues[DISCARD] = self._queues[STORE]
+        if getattr(handler, "write", None) is not None:  # writes from its own slots, apart
+            self._queues[WRITE] = queue.Queue(maxsize=max_queued_jobs)
+            served.append(self._queues[WRITE])
         self._threads = [
             threading.Thread(
                 target=self._serve,
-                args=(q, not ordered and q is self._queues[STORE]),
+                args=(
+                    q,
+                    q is self._queues.get(WRITE) or (not ordered and q is self._queues[STORE]),
+                ),
                 name=f"kvtier-transfer-{i}",
                 daemon=True,
             )
@@ -252,6 +269,13 @@ class TransferWorker:
         if getattr(self.handler, "discard", None) is None:
             raise TypeError(f"{type(self.handler).__name__} holds no blocks to discard")
         return self._submit(DISCARD, _Job(job_id, _NO_BLOCKS, list(block_hashes), None))
+
+    def submit_write(self, job_id: int, spec: LoadStoreSpec) -> bool:
+        """Queue a store that reads no device block (`handler.write(spec)`); see the
+        module docstring."""
+        if WRITE not in self._queues:
+            raise TypeError(f"{type(self.handler).__name__} has no writes from its own slots")
+        return self._submit(WRITE, _Job(job_id, _NO_BLOCKS, spec, None))
 
     def _submit(self, direction: str, job: _Job) -> bool:
         with self._lock:
@@ -349,7 +373,7 @@ class TransferWorker:
         """`job` and the jobs of the same direction queued right behind it (when the
         handler merges), and the next item to serve (None: take one from the queue)."""
         batch = [job]
-        if self._merge is None or direction == DISCARD:
+        if self._merge is None or direction in (DISCARD, WRITE):
             return batch, None
         blocks, limit = len(job.device_ids), MERGE_MAX_BYTES // self._block_bytes
         while blocks < limit:
@@ -416,6 +440,8 @@ class TransferWorker:
             if isinstance(job.spec, list):  # a discard
                 self.handler.discard(job.spec)  # type: ignore[attr-defined]
                 moved = 0
+            elif direction == WRITE:
+                moved = self.handler.write(job.spec)  # type: ignore[attr-defined]
             elif direction == STORE:
                 moved = self.handler.store(job.device_ids, job.spec, job.ready)
             else:

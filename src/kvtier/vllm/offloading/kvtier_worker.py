@@ -54,7 +54,12 @@ from kvtier.store.disk_store import DiskStore
 from kvtier.store.layout import KVLayout
 from kvtier.store.memory import MemoryStore
 from kvtier.store.shared_disk import SharedDiskStore
-from kvtier.transfer.cascade_handler import CascadeHandler
+from kvtier.transfer.cascade_handler import (
+    CascadeHandler,
+    CopyThenWrite,
+    DiskWrite,
+    split_disk_part,
+)
 from kvtier.transfer.handlers import SlotPieces, StagedHandler
 from kvtier.transfer.pages import PagedDeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
@@ -161,6 +166,8 @@ def _medium_of(part: Part) -> str:
         return "disk" if spec.disk_positions or spec.demotion is not None else "cpu"
     if isinstance(spec, CascadeStoreSpec):
         return "disk" if spec.disk is not None or spec.demotion is not None else "cpu"
+    if isinstance(spec, DiskWrite):
+        return "disk"
     return "cpu"
 
 
@@ -309,6 +316,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
         # Redis store parts copied into host memory at submission (`_stage_remote`), whose
         # device blocks a flush need not wait for; on a CPU device only (see `snapshot`)
         self._staged: set[int] = set()
+        # local writes from CPU slots to disk (`_split_writes`): staged too, and waited for
+        # at a reset (see `_submit`)
+        self._writes: set[int] = set()
+        # a store's blocks a full CPU tier sends straight to disk are copied into host
+        # rows at submission and written apart, on a CPU device (see `snapshot`)
+        self._snapshots = self._handler is not None and self.kv.device.type == "cpu"
         handler = self.workers[REMOTE].handler if REMOTE in self.workers else None
         self._stager = (
             handler
@@ -339,6 +352,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
             raise TypeError(f"KvtierOffloadingWorker got a {type(spec).__name__} spec")
         device_ids = np.asarray(gpu.block_ids, dtype=np.int64)
         promotion = getattr(spec, "promotion", None)
+        if self._writes and spec.epoch != self._epoch:
+            # a reset: the last epoch's disk writes end before this job's discards (which
+            # delete what they wrote) and before any of its jobs (whose blocks may have
+            # the same hashes and, after a weight update, other bytes)
+            self._wait(set(self._jobs), lambda tier, sub: sub in self._writes)
         self._note_slots(spec.epoch, spec.parts if promotion is None else [*spec.parts, promotion])
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
@@ -359,6 +377,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if not is_load and self.report_failures:
             parts = self._admit_stores(parts)
         subs = [(next(self._sub_ids), part) for part in parts]
+        if not is_load:
+            subs = self._split_writes(subs, device_ids)
         if not is_load and self.report_failures:
             subs, job.after = self._stage_remote(subs, device_ids)
         with self._lock:
@@ -373,9 +393,62 @@ class KvtierOffloadingWorker(OffloadingWorker):
             ids = device_ids[part.positions]
             if is_load:
                 worker.submit_load(sub, part.spec, ids)
+            elif isinstance(part.spec, DiskWrite):
+                worker.submit_write(sub, part.spec)
             else:
                 worker.submit_store(sub, ids, part.spec)
         return True
+
+    def _split_writes(
+        self, subs: list[tuple[int, Part]], device_ids: npt.NDArray[np.int64]
+    ) -> list[tuple[int, Part]]:
+        """Each local store part's disk writes as jobs of their own (`DiskWrite`, on the
+        worker's writer thread): those of the blocks it also puts in the CPU tier, from
+        the CPU slots once its copy is done, and on a CPU device those it sends straight
+        to disk (a CPU tier too full to take them), from host rows copied out of the
+        engine's blocks now. vLLM's flush of the engine's blocks (`wait`) then waits for
+        the copy alone, and later stores' copies never queue behind a slow disk
+        (`cascade_handler.split_disk_part`). The writes count in the local store queue
+        (the part was admitted whole); the vLLM job is done once all of them are."""
+        if self._handler is None:
+            return subs
+        out: list[tuple[int, Part]] = []
+        for sub, part in subs:
+            split = (
+                split_disk_part(part.spec, self._snapshots)
+                if part.tier == LOCAL and isinstance(part.spec, CascadeStoreSpec)
+                else None
+            )
+            if split is None:
+                out.append((sub, part))
+                continue
+            writes: list[tuple[DiskWrite, list[int]]] = []
+            if split.from_slots is not None:
+                writes.append(split.from_slots)
+            if split.from_device is not None:
+                disk, picked = split.from_device
+                rows = self._handler.snapshot(device_ids[[part.positions[i] for i in picked]])
+                writes.append((DiskWrite(disk, staged=rows), picked))
+            if split.copy is not None:
+                out.append((sub, dataclasses.replace(part, spec=split.copy)))
+            elif self.report_failures:  # the part's bytes leave the queue with its writes
+                with self._lock:
+                    self._store_queued[LOCAL] -= len(part.positions) * self._block_bytes
+            for write, picked in writes:
+                later = next(self._sub_ids)
+                written = Part(
+                    LOCAL,
+                    [part.positions[i] for i in picked],
+                    [part.block_hashes[i] for i in picked],
+                    write,
+                )
+                out.append((later, written))
+                with self._lock:
+                    self._staged.add(later)
+                    self._writes.add(later)
+                    if self.report_failures:  # admitted as one part: its writes' bytes too
+                        self._store_queued[LOCAL] += len(picked) * self._block_bytes
+        return out
 
     def _admit_stores(self, parts: list[Part]) -> list[Part]:
         """The store parts their tiers' queues have room for; the others are shed: not
@@ -514,8 +587,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 return  # a discard job
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
-            if tier == REMOTE:
-                self._staged.discard(sub)
+            self._staged.discard(sub)
+            self._writes.discard(sub)
+            if not ok and isinstance(part.spec, CopyThenWrite) and part.spec.then is not None:
+                part.spec.then.copy.settle(False)  # (a copy refused unrun): its write fails
             if not job.is_load and self.report_failures:  # its room in the queue is free
                 self._dequeue(part)
             job.bytes += nbytes
@@ -601,7 +676,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         its budget). Blocks this worker never saw completed are not written."""
         if self.disk is None or not self.workers:
             return 0
-        self.wait(set(self._jobs))
+        # the disk writes too (a block written twice at once would share a temp file)
+        self._wait(set(self._jobs), lambda tier, sub: tier == LOCAL or sub not in self._staged)
         with self._lock:
             pending = [(s, h) for s, h in self._slots.items() if h not in self.disk]
         written = 0
@@ -664,16 +740,19 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         """Block until the engine's blocks of these jobs are free to reuse (vLLM's flush
         before it reallocates them): every part is done (a promotion starts only after
-        its load) but the Redis stores already copied into host memory, which finish
-        on their own and complete their jobs later."""
-        self._wait(job_ids, staged=False)
+        its load) but those that no longer read them: the Redis stores already copied
+        into host memory, and the disk writes from CPU slots (`_split_writes`), which
+        finish on their own and complete their jobs later."""
+        self._wait(job_ids, lambda tier, sub: sub not in self._staged)
 
     def wait_finished(self, job_ids: set[int]) -> None:
         """Block until these jobs are done, every part (their results are then in
         `get_finished`)."""
-        self._wait(job_ids, staged=True)
+        self._wait(job_ids, lambda tier, sub: True)
 
-    def _wait(self, job_ids: set[int], staged: bool) -> None:
+    def _wait(self, job_ids: set[int], waits_for: Callable[[str, int], bool]) -> None:
+        """Until no part of these jobs that `waits_for(tier, sub)` (asked under the lock)
+        is left."""
         while True:
             with self._lock:
                 subs = {
@@ -681,7 +760,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     for job_id in job_ids
                     if (job := self._jobs.get(job_id)) is not None
                     for sub, part in job.waiting.items()
-                    if staged or sub not in self._staged
+                    if waits_for(part.tier, sub)
                 }
             if not subs:
                 return
