@@ -182,6 +182,17 @@ def test_a_lookup_is_waited_for_as_long_as_it_is_expected_to_save() -> None:
     assert cost.gauges()["cost_lookup_hit_share", "redis"] == cost.hit_share("redis")
 
 
+def test_a_load_behind_others_in_flight_waits_for_them() -> None:
+    cost = model()
+    cost.observe_step(TOKENS * 10, 0.1)  # 10 ms a block
+    cost.observe_load("disk", 10, 0.05)  # 5 ms a block
+    assert cost.worth_loading("disk", 10)  # 50 ms against 100
+    assert cost.worth_loading("disk", 10, queued=9)  # 95 ms
+    assert not cost.worth_loading("disk", 10, queued=11)  # 105 ms
+    with pytest.raises(ValueError, match="queued blocks must be >= 0, got -1"):
+        cost.worth_loading("disk", 10, queued=-1)
+
+
 def test_a_lookup_whose_first_block_was_found_is_waited_for_its_whole_saving() -> None:
     cost = model()
     cost.observe_step(TOKENS * 10, 0.1)

@@ -91,6 +91,38 @@ def test_a_returning_prompt_is_loaded_from_disk_where_it_beats_recompute_and_not
     assert decided(engine, "recompute") == 1  # the run's first block, where vLLM stops
 
 
+def test_a_disk_run_behind_the_loads_in_flight_waits_for_them_and_may_not_pay(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """The disk's reads are shared: a run of disk blocks waits for the disk blocks of the
+    loads already in flight. Alone, four blocks read at 10 ms beat recomputing them at
+    30 ms; behind another request's four in flight they take 80 ms against 120: still
+    worth it; behind eight (two such requests), 120 ms: no faster, recomputed (and a run
+    recomputed adds nothing to the queue). The prompt's length (the connector's
+    `note_prompt`) says how long the run is."""
+    engine, keys = disk_engine(engines, tmp_path)
+    costs(engine, recompute_s=0.03, disk_s=0.01)
+    manager = engine.manager
+    on_disk = keys[2:]
+
+    def ask(req_id: str) -> int:
+        ctx = ReqContext(req_id=req_id)
+        for i, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (i + 1) * TOKENS)
+        manager.note_prompt(req_id, len(keys) * TOKENS)
+        hits = 0
+        for key in keys:
+            if manager.lookup(key, ctx) is not LookupResult.HIT:
+                break
+            hits += 1
+        if hits == len(keys):  # its load is now in flight, as the scheduler's would be
+            manager.prepare_load(on_disk, ctx)
+        return hits
+
+    assert [ask(f"r{i}") for i in range(4)] == [6, 6, 2, 2]
+    assert decided(engine, "recompute") == 2  # each declined run's first block
+
+
 def test_a_disk_recomputed_around_is_measured_again_now_and_then(
     engines: list[Engine], tmp_path: Path
 ) -> None:

@@ -253,13 +253,18 @@ class CostModel:
             return MAX_PREFETCH_BLOCKS
         return min(int(PREFETCH_SHARE * rtt / per_block + 1e-9), MAX_PREFETCH_BLOCKS)
 
-    def worth_loading(self, tier: str, num_blocks: int, prefetched: int = 0) -> bool:
+    def worth_loading(
+        self, tier: str, num_blocks: int, prefetched: int = 0, queued: int = 0
+    ) -> bool:
         """Whether loading `num_blocks` from `tier` (the first `prefetched` of them read
-        whole by their lookup) is predicted faster than recomputing them (always, in mode
-        "always" or before either side was measured)."""
+        whole by their lookup; behind `queued` blocks of loads already in flight, which
+        it waits for) is predicted faster than recomputing them (always, in mode "always"
+        or before either side was measured)."""
         if self.config.mode == "always" or num_blocks < 1:
             return True
-        load = self.load_seconds(tier, num_blocks, prefetched)
+        if queued < 0:
+            raise ValueError(f"queued blocks must be >= 0, got {queued}")
+        load = self.load_seconds(tier, num_blocks + queued, prefetched)
         recompute = self.recompute_seconds(num_blocks)
         if load is None or recompute is None:
             return True

@@ -100,7 +100,7 @@ _MEDIA: dict[str, tuple[Medium, Locality]] = {
 
 
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
-_Load = tuple[list[tuple[str, list[BlockHash]]], list[BlockHash]]
+_Load = tuple[list[tuple[str, list[BlockHash]]], list[BlockHash], int]
 
 
 @dataclass
@@ -210,6 +210,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self._found: OrderedDict[BlockHash, str] = OrderedDict()
         self._prompt_tokens: dict[str, int] = {}  # by request id (see note_prompt)
         self._failed_stores: set[tuple[str, BlockHash]] = set()
+        self._disk_loading = 0  # disk blocks of the loads in flight (see _disk_worth_loading)
         self._failed_loads: set[BlockHash] = set()
         self._to_forget: set[BlockHash] = set()
         self.load_failures = 0
@@ -265,17 +266,17 @@ class KvtierOffloadingManager(OffloadingManager):
         if self.remote is None:
             if not self._local_hit(block_hash):
                 return _MISS
-            return _HIT if self._disk_answer(block_hash, req_context) else _MISS
+            return _HIT if self._disk_answer(block_hash, req_context, key) else _MISS
         if self._runs is not None:
             plan = plan_of(req_context)
             pos = plan.position(block_hash)
             if self._local_hit(block_hash):
-                return self._local_answer(block_hash, req_context)
+                return self._local_answer(block_hash, req_context, key)
             if plan.end is None or pos >= plan.end:
                 plan.end = self._prompt_end(key, req_context, pos)
             return self._runs.lookup(block_hash, plan, pos)
         if self._local_hit(block_hash):
-            return self._local_answer(block_hash, req_context)
+            return self._local_answer(block_hash, req_context, key)
         if self._found.get(block_hash) == REMOTE:
             found: int | None = 1
         else:
@@ -291,7 +292,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def note_prompt(self, req_id: str, num_tokens: int) -> None:
         """The request's length, from the connector before each of vLLM's lookups of it:
         what a Redis lookup could save is known from its first key (see `remote_runs`)."""
-        if self._runs is not None:
+        if self._runs is not None or self._cpu_core is not None:  # Redis, or a disk
             self._prompt_tokens[req_id] = num_tokens
 
     def _prompt_end(self, key: OffloadKey, req_context: ReqContext, pos: int) -> int | None:
@@ -303,12 +304,14 @@ class KvtierOffloadingManager(OffloadingManager):
             return None
         return pos + 1 + max(tokens - int(end_token), 0) // self.cost.tokens_per_block
 
-    def _local_answer(self, block_hash: BlockHash, req_context: ReqContext) -> LookupResult:
-        if self._disk_answer(block_hash, req_context):
+    def _local_answer(
+        self, block_hash: BlockHash, req_context: ReqContext, key: OffloadKey
+    ) -> LookupResult:
+        if self._disk_answer(block_hash, req_context, key):
             return self._hit(block_hash, LOCAL)
         return _MISS
 
-    def _disk_answer(self, block_hash: BlockHash, req_context: ReqContext) -> bool:
+    def _disk_answer(self, block_hash: BlockHash, req_context: ReqContext, key: OffloadKey) -> bool:
         """Whether a local hit is offered: always from the CPU tier; from the disk only
         where loading beats recomputing (`cost_model`). The disk has no round trip to
         amortise, so its cost per block decides alone: one decision per request, at its
@@ -326,11 +329,29 @@ class KvtierOffloadingManager(OffloadingManager):
             run = _DiskRun()
             req_context.set_state(run)
         if run.load is None:
-            run.load = cost.worth_loading("disk", 1) or cost.probe("disk")
+            run.load = self._disk_worth_loading(key, req_context) or cost.probe("disk")
         if block_hash not in run.counted:
             run.counted.add(block_hash)
             cost.decisions["disk", "load" if run.load else "recompute"] += 1
         return run.load
+
+    def _disk_worth_loading(self, key: OffloadKey, req_context: ReqContext) -> bool:
+        """Whether the request's run of disk blocks from `key` on is worth loading: its
+        blocks' read, behind the disk blocks of the loads already in flight (the disk's
+        reads are shared: a run waits for those ahead of it), against recomputing them.
+        The run is taken to reach the prompt's end (the connector gives its length,
+        `note_prompt`); where the length is not known (vLLM's own connector), per block,
+        with no queue. Counted apart from the queue, loads on a saturated engine queued
+        behind each other past their deadlines (50 ms a block file: 192 blocks given up
+        at saturation, every load decided then)."""
+        cost = self.cost
+        assert cost is not None
+        tokens = self._prompt_tokens.get(req_context.req_id)
+        end_token = req_context.get_offload_key_position(key)
+        if tokens is None or end_token is None:
+            return cost.worth_loading("disk", 1)
+        blocks = 1 + max(tokens - int(end_token), 0) // cost.tokens_per_block
+        return cost.worth_loading("disk", blocks, queued=self._disk_loading)
 
     def step_seconds(self, steps: list[tuple[int, float]]) -> None:
         """Engine steps the workers timed: (tokens computed, seconds)."""
@@ -390,7 +411,11 @@ class KvtierOffloadingManager(OffloadingManager):
         spec.promotion = self._plan_promotion(spec.parts)
         spec.discards = self._next_discards()  # after the promotion's own disk evictions
         promoted = spec.promotion.block_hashes if spec.promotion is not None else []
-        self._loads[frozenset(hashes)].append((taken, promoted))
+        disk = sum(
+            len(p.spec.disk_positions) for p in spec.parts if isinstance(p.spec, CascadeLoadSpec)
+        )
+        self._disk_loading += disk
+        self._loads[frozenset(hashes)].append((taken, promoted, disk))
         return spec
 
     def _load_deadline(self, parts: list[Part]) -> float | None:
@@ -444,7 +469,8 @@ class KvtierOffloadingManager(OffloadingManager):
         pending = self._loads.get(hashes)
         if not pending:
             raise KeyError(f"complete_load: no load in flight for these {len(hashes)} blocks")
-        parts, promoted = pending.popleft()
+        parts, promoted, disk = pending.popleft()
+        self._disk_loading -= disk
         if not pending:
             del self._loads[hashes]
         remote_ok = True
@@ -563,7 +589,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def _load_tier(self, hashes: list[BlockHash]) -> str:
         """The tier a failed load part read (its blocks are still pinned by the load)."""
         for queued in self._loads.values():
-            for taken, _ in queued:
+            for taken, _, _ in queued:
                 for name, part in taken:
                     if hashes and hashes[0] in part:
                         return "redis" if name == REMOTE else self._local_label
@@ -581,7 +607,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def _pinned(self) -> set[BlockHash]:
         loads = self._loads.values()
-        return {h for queued in loads for taken, _ in queued for _, part in taken for h in part}
+        return {h for queued in loads for taken, _, _ in queued for _, part in taken for h in part}
 
     def _next_discards(self) -> list[BlockHash]:
         carried, self._carried = self._carried, []
@@ -610,6 +636,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 raise TypeError(f"{type(self.remote).__name__} cannot reset its key epoch")
             reset(epoch_salt(self.epoch))
         self._loads.clear()
+        self._disk_loading = 0
         self.chain.forget()
         self._found.clear()
         self._failed_stores.clear()
