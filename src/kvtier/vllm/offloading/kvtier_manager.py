@@ -340,10 +340,10 @@ class KvtierOffloadingManager(OffloadingManager):
         blocks' read, behind the disk blocks of the loads already in flight (the disk's
         reads are shared: a run waits for those ahead of it), against recomputing them.
         The run is taken to reach the prompt's end (the connector gives its length,
-        `note_prompt`); where the length is not known (vLLM's own connector), per block,
-        with no queue. Counted apart from the queue, loads on a saturated engine queued
-        behind each other past their deadlines (50 ms a block file: 192 blocks given up
-        at saturation, every load decided then)."""
+        `note_prompt`; a run that ends sooner is judged a little kindly); where the length
+        is not known (vLLM's own connector), per block, with no queue. Judged per block
+        alone, a saturated engine's loads were all decided and queued behind each other
+        past their deadlines (50 ms a block file: 192 blocks given up in one run)."""
         cost = self.cost
         assert cost is not None
         tokens = self._prompt_tokens.get(req_context.req_id)
