@@ -163,24 +163,27 @@ def test_a_reset_waits_for_the_disk_writes_of_before_it(
     assert engine.worker.disk is not None
     hung = threading.Event()
     engine.worker.disk.io_hook = lambda kind: hung.wait() if kind == "write" else None
-    before = keys_of(2, start=70)
-    engine.compute([0, 1], seed=4)
-    out = engine.manager.prepare_store(before, engine.ctx)
-    assert out is not None
-    engine.worker.submit_store(90, GPULoadStoreSpec([0, 1], [2], [0]), out.store_spec)
-    engine.worker.wait({90})  # vLLM's flush at the reset: the copy only
+    try:
+        before = keys_of(2, start=70)
+        engine.compute([0, 1], seed=4)
+        out = engine.manager.prepare_store(before, engine.ctx)
+        assert out is not None
+        engine.worker.submit_store(90, GPULoadStoreSpec([0, 1], [2], [0]), out.store_spec)
+        engine.worker.wait({90})  # vLLM's flush at the reset: the copy only
 
-    engine.manager.reset_cache()  # job 90 is dropped, never completed here
+        engine.manager.reset_cache()  # job 90 is dropped, never completed here
 
-    after = keys_of(1, start=80)
-    engine.compute([2], seed=5)
-    out = engine.manager.prepare_store(after, engine.ctx)
-    assert out is not None and out.store_spec.epoch == 1
-    threading.Timer(0.2, hung.set).start()
-    engine.worker.submit_store(91, GPULoadStoreSpec([2], [1], [0]), out.store_spec)
-    engine.worker.wait_finished({90, 91})
-    assert {r.job_id for r in engine.worker.get_finished()} == {90, 91}
-    engine.manager.complete_store(out.keys_to_store, engine.ctx)
-    files = {p.stem for p in block_files(tmp_path / "disk")}
-    assert not any(key[:-4].hex() in name for key in before for name in files), files
-    assert any(after[0][:-4].hex() in name for name in files), files
+        after = keys_of(1, start=80)
+        engine.compute([2], seed=5)
+        out = engine.manager.prepare_store(after, engine.ctx)
+        assert out is not None and out.store_spec.epoch == 1
+        threading.Timer(0.2, hung.set).start()
+        engine.worker.submit_store(91, GPULoadStoreSpec([2], [1], [0]), out.store_spec)
+        engine.worker.wait_finished({90, 91})
+        assert {r.job_id for r in engine.worker.get_finished()} == {90, 91}
+        engine.manager.complete_store(out.keys_to_store, engine.ctx)
+        files = {p.stem for p in block_files(tmp_path / "disk")}
+        assert not any(key[:-4].hex() in name for key in before for name in files), files
+        assert any(after[0][:-4].hex() in name for name in files), files
+    finally:  # a failure above must not leave the disk hung for the teardown
+        hung.set()

@@ -351,38 +351,82 @@ def test_a_hung_disk_write_holds_back_neither_the_flush_nor_a_later_store(
     assert engine.worker.disk is not None
     hung = threading.Event()
     engine.worker.disk.io_hook = lambda kind: hung.wait() if kind == "write" else None
-    # a flush that waited for the write would hang: the watchdog lets the disk go on
-    # (and the test fail below) instead
-    watchdog = threading.Timer(120, hung.set)
-    watchdog.start()
-    first, second = keys_of(2, start=50), keys_of(2, start=60)
-    data = engine.compute([0, 1, 2, 3], seed=9)
-    outs = []
-    for job, keys, ids in ((80, first, [0, 1]), (81, second, [2, 3])):
-        out = engine.manager.prepare_store(keys, engine.ctx)
-        assert out is not None
-        engine.worker.submit_store(job, GPULoadStoreSpec(ids, [2], [0]), out.store_spec)
-        engine.worker.wait({job})  # the flush: the copy is done, the write hangs
-        assert not hung.is_set(), "the flush waited for the disk"
-        outs.append(out)
-    engine.compute([0, 1, 2, 3], seed=10)  # the engine reuses its blocks
-    assert engine.worker.get_finished() == []  # neither job is done before its write
-    hung.set()
-    watchdog.cancel()
-    engine.worker.wait_finished({80, 81})
-    assert [(r.job_id, r.success) for r in engine.worker.get_finished()] == [
-        (80, True),
-        (81, True),
-    ]
-    for out in outs:
-        engine.manager.complete_store(out.keys_to_store, engine.ctx)
-    engine.close()
-    restarted = Engine(extra | {"cpu_bytes_to_use": 2 * BLOCK_BYTES})  # the disk alone
-    engines.append(restarted)
-    assert restarted.hits(first + second) == 4
-    errors, report = restarted.load(first + second, [10, 11, 12, 13])
-    assert not errors and not report
-    assert [restarted.block_bytes(i) for i in (10, 11, 12, 13)] == [data[i] for i in range(4)]
+    try:
+        # a flush that waited for the write would hang: the watchdog lets the disk go on
+        # (and the test fail below) instead
+        watchdog = threading.Timer(120, hung.set)
+        watchdog.start()
+        first, second = keys_of(2, start=50), keys_of(2, start=60)
+        data = engine.compute([0, 1, 2, 3], seed=9)
+        outs = []
+        for job, keys, ids in ((80, first, [0, 1]), (81, second, [2, 3])):
+            out = engine.manager.prepare_store(keys, engine.ctx)
+            assert out is not None
+            engine.worker.submit_store(job, GPULoadStoreSpec(ids, [2], [0]), out.store_spec)
+            engine.worker.wait({job})  # the flush: the copy is done, the write hangs
+            assert not hung.is_set(), "the flush waited for the disk"
+            outs.append(out)
+        engine.compute([0, 1, 2, 3], seed=10)  # the engine reuses its blocks
+        assert engine.worker.get_finished() == []  # neither job is done before its write
+        hung.set()
+        watchdog.cancel()
+        engine.worker.wait_finished({80, 81})
+        assert [(r.job_id, r.success) for r in engine.worker.get_finished()] == [
+            (80, True),
+            (81, True),
+        ]
+        for out in outs:
+            engine.manager.complete_store(out.keys_to_store, engine.ctx)
+        engine.close()
+        restarted = Engine(extra | {"cpu_bytes_to_use": 2 * BLOCK_BYTES})  # the disk alone
+        engines.append(restarted)
+        assert restarted.hits(first + second) == 4
+        errors, report = restarted.load(first + second, [10, 11, 12, 13])
+        assert not errors and not report
+        assert [restarted.block_bytes(i) for i in (10, 11, 12, 13)] == [data[i] for i in range(4)]
+    finally:  # a failure above must not leave the disk hung for the teardown
+        hung.set()
+
+
+def test_a_hung_disk_sheds_stores_once_its_writes_fill_the_queue(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """The disk's writes hang and stores keep coming (one block each: a two-block CPU
+    tier full of stores in flight sends the rest straight to disk): once the writer's
+    queue is nearly full the stores are shed, counted, never failed, and every job still
+    completes once the disk goes on."""
+    extra = {
+        "cpu_bytes_to_use": 2 * BLOCK_BYTES,
+        "disk_path": str(tmp_path),
+        "disk_bytes_to_use": 128 * (BLOCK_BYTES + 128),
+    }
+    engine = Engine(extra)
+    engines.append(engine)
+    assert engine.worker.disk is not None
+    hung = threading.Event()
+    engine.worker.disk.io_hook = lambda kind: hung.wait() if kind == "write" else None
+    try:
+        writer = engine.worker.workers["local"]
+        engine.compute(list(range(DEVICE_BLOCKS)), seed=12)
+        jobs = range(100, 100 + writer.max_queued_jobs + 8)
+        for job in jobs:
+            out = engine.manager.prepare_store(keys_of(1, start=job), engine.ctx)
+            assert out is not None
+            ids = [job % DEVICE_BLOCKS]
+            engine.worker.submit_store(job, GPULoadStoreSpec(ids, [1], [0]), out.store_spec)
+            engine.worker.wait({job})
+            assert writer.writes_room() >= 1  # never a write refused
+        report = engine.worker.take_report()
+        assert report.failed_stores == {}
+        assert 0 < len(report.shed_stores["local"]) <= 10
+        hung.set()
+        engine.worker.wait_finished(set(jobs))
+        assert {(r.job_id, r.success) for r in engine.worker.get_finished()} == {
+            (job, True) for job in jobs
+        }
+        assert engine.worker.take_report().failed_stores == {}
+    finally:  # a failure above must not leave the disk hung for the teardown
+        hung.set()
 
 
 def test_an_idle_step_with_nothing_here_idles_only_while_another_worker_is_busy(

@@ -167,6 +167,7 @@ class TransferWorker:
         (None: torch's default); see `limit_torch_threads`."""
         if max_queued_jobs < 1:
             raise ValueError(f"max_queued_jobs must be >= 1, got {max_queued_jobs}")
+        self.max_queued_jobs = max_queued_jobs
         if torch_threads is not None and torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1 or None, got {torch_threads}")
         self._torch_threads = torch_threads
@@ -309,6 +310,12 @@ class TransferWorker:
         """Jobs submitted and not yet handed out by `get_finished` (what the worker holds)."""
         with self._lock:
             return len(self._outstanding) + len(self._finished)
+
+    def writes_room(self) -> int:
+        """How many more writes (`submit_write`) the writer's queue takes now; one past it
+        is refused (a failed result)."""
+        with self._lock:
+            return self.max_queued_jobs - len(self._order[WRITE])
 
     def began(self, job_id: int) -> float | None:
         """When (`time.perf_counter()`) a thread took the job up; None while it is still

@@ -156,6 +156,12 @@ def _ran(job: _Job, began: float) -> float:
     return max(job.deadline_s - max(began - job.started, 0.0), 0.0)
 
 
+def _writes_disk(part: Part) -> bool:
+    """Whether a store part writes the disk (and so may take the writer's queue)."""
+    spec = part.spec
+    return isinstance(spec, CascadeStoreSpec) and spec.disk is not None
+
+
 def _medium_of(part: Part) -> str:
     """The tier a part's transfer is timed under: a cascade job that touches the disk
     (a read, a write-through, a demotion) is the disk's, its time being the disk's."""
@@ -455,11 +461,15 @@ class KvtierOffloadingWorker(OffloadingWorker):
         stored, reported (the scheduler frees their slots and counts them), never an
         error. A tier whose queue is empty takes any job: it is not behind."""
         admitted = []
+        # a local part with a disk part takes up to two writes (`_split_writes`): with the
+        # writer's queue near full (a disk that stalls), it is shed like one past the bound
+        writes_full = self._handler is not None and self.workers[LOCAL].writes_room() < 2
         with self._lock:
             for part in parts:
                 nbytes = len(part.positions) * self._block_bytes
                 queued = self._store_queued[part.tier]
-                if queued and queued + nbytes > self._store_cap[part.tier]:
+                behind = writes_full and part.tier == LOCAL and _writes_disk(part)
+                if behind or (queued and queued + nbytes > self._store_cap[part.tier]):
                     self._report.shed_stores.setdefault(part.tier, []).extend(part.block_hashes)
                     self._forget_slots(part)
                     continue
