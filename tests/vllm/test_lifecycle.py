@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from tests.remote.conftest import RedisServer, serve_redis
-from tests.vllm.test_offloading_spec import BLOCK_BYTES, Engine, engines, keys_of
+from tests.vllm.test_offloading_spec import BLOCK_BYTES, Engine, engines, hung_disk, keys_of
 
 with_engines = engines  # the fixture, under this module's name too
 
@@ -153,16 +153,7 @@ def test_a_reset_waits_for_the_disk_writes_of_before_it(
     leave a block of before the reset for a restart to serve (after a weight update, the
     same hash with other bytes). The disk is held until a timer lets it go, after the
     next job is submitted; a worker that did not wait would run the discards first."""
-    extra = {
-        "cpu_bytes_to_use": 8 * BLOCK_BYTES,
-        "disk_path": str(tmp_path / "disk"),
-        "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
-    }
-    engine = Engine(extra)
-    engines.append(engine)
-    assert engine.worker.disk is not None
-    hung = threading.Event()
-    engine.worker.disk.io_hook = lambda kind: hung.wait() if kind == "write" else None
+    engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=8, disk_blocks=64)
     try:
         before = keys_of(2, start=70)
         engine.compute([0, 1], seed=4)

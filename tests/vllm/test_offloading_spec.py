@@ -134,6 +134,25 @@ class Engine:
         self.worker.shutdown()
 
 
+def hung_disk(
+    engines: list[Engine], path: Path, cpu_blocks: int, disk_blocks: int
+) -> tuple[Engine, threading.Event]:
+    """An engine whose disk tier's writes wait for the event returned: set it in a
+    `finally` (the worker's shutdown waits for the writes)."""
+    engine = Engine(
+        {
+            "cpu_bytes_to_use": cpu_blocks * BLOCK_BYTES,
+            "disk_path": str(path),
+            "disk_bytes_to_use": disk_blocks * (BLOCK_BYTES + 128),
+        }
+    )
+    engines.append(engine)
+    assert engine.worker.disk is not None
+    hung = threading.Event()
+    engine.worker.disk.io_hook = lambda kind: hung.wait() if kind == "write" else None
+    return engine, hung
+
+
 def keys_of(n: int, start: int = 0) -> list[bytes]:
     return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + n)]
 
@@ -395,16 +414,7 @@ def test_a_hung_disk_sheds_stores_once_its_writes_fill_the_queue(
     tier full of stores in flight sends the rest straight to disk): once the writer's
     queue is nearly full the stores are shed, counted, never failed, and every job still
     completes once the disk goes on."""
-    extra = {
-        "cpu_bytes_to_use": 2 * BLOCK_BYTES,
-        "disk_path": str(tmp_path),
-        "disk_bytes_to_use": 128 * (BLOCK_BYTES + 128),
-    }
-    engine = Engine(extra)
-    engines.append(engine)
-    assert engine.worker.disk is not None
-    hung = threading.Event()
-    engine.worker.disk.io_hook = lambda kind: hung.wait() if kind == "write" else None
+    engine, hung = hung_disk(engines, tmp_path, cpu_blocks=2, disk_blocks=128)
     try:
         writer = engine.worker.workers["local"]
         engine.compute(list(range(DEVICE_BLOCKS)), seed=12)
