@@ -297,12 +297,18 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def _prompt_end(self, key: OffloadKey, req_context: ReqContext, pos: int) -> int | None:
         """One past the position of the request's last whole block, from the key at
-        `pos` (whose end token vLLM records) and the request's length; None if unknown."""
+        `pos`; None if unknown."""
+        blocks = self._blocks_to_end(key, req_context)
+        return None if blocks is None else pos + blocks
+
+    def _blocks_to_end(self, key: OffloadKey, req_context: ReqContext) -> int | None:
+        """The request's whole blocks from `key` (whose end token vLLM records) to its last,
+        `key`'s included, from the request's length (`note_prompt`); None if unknown."""
         tokens = self._prompt_tokens.get(req_context.req_id)
         end_token = req_context.get_offload_key_position(key)
         if tokens is None or end_token is None or self.cost is None:
             return None
-        return pos + 1 + max(tokens - int(end_token), 0) // self.cost.tokens_per_block
+        return 1 + max(tokens - int(end_token), 0) // self.cost.tokens_per_block
 
     def _local_answer(
         self, block_hash: BlockHash, req_context: ReqContext, key: OffloadKey
@@ -346,11 +352,9 @@ class KvtierOffloadingManager(OffloadingManager):
         past their deadlines (50 ms a block file: 192 blocks given up in one run)."""
         cost = self.cost
         assert cost is not None
-        tokens = self._prompt_tokens.get(req_context.req_id)
-        end_token = req_context.get_offload_key_position(key)
-        if tokens is None or end_token is None:
+        blocks = self._blocks_to_end(key, req_context)
+        if blocks is None:
             return cost.worth_loading("disk", 1)
-        blocks = 1 + max(tokens - int(end_token), 0) // cost.tokens_per_block
         return cost.worth_loading("disk", blocks, queued=self._disk_loading)
 
     def step_seconds(self, steps: list[tuple[int, float]]) -> None:

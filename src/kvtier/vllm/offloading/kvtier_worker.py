@@ -319,12 +319,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._store_cap = {LOCAL: config.store_queue_bytes(True)}
         self._store_cap[REMOTE] = config.store_queue_bytes(False)
         self._store_queued = dict.fromkeys(self._store_cap, 0)
-        # Redis store parts copied into host memory at submission (`_stage_remote`), whose
-        # device blocks a flush need not wait for; on a CPU device only (see `snapshot`)
+        # parts whose device blocks a flush need not wait for: Redis store parts copied into
+        # host memory at submission (`_stage_remote`; a CPU device only, see `snapshot`),
+        # and the local tier's disk writes (`_split_writes`)
         self._staged: set[int] = set()
-        # local writes from CPU slots to disk (`_split_writes`): staged too, and waited for
-        # at a reset (see `_submit`)
-        self._writes: set[int] = set()
         # a store's blocks a full CPU tier sends straight to disk are copied into host
         # rows at submission and written apart, on a CPU device (see `snapshot`)
         self._snapshots = self._handler is not None and self.kv.device.type == "cpu"
@@ -358,11 +356,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
             raise TypeError(f"KvtierOffloadingWorker got a {type(spec).__name__} spec")
         device_ids = np.asarray(gpu.block_ids, dtype=np.int64)
         promotion = getattr(spec, "promotion", None)
-        if self._writes and spec.epoch != self._epoch:
+        if self._handler is not None and spec.epoch != self._epoch:
             # a reset: the last epoch's disk writes end before this job's discards (which
             # delete what they wrote) and before any of its jobs (whose blocks may have
             # the same hashes and, after a weight update, other bytes)
-            self._wait(set(self._jobs), lambda tier, sub: sub in self._writes)
+            self._wait(set(self._jobs), lambda tier, sub: tier == LOCAL and sub in self._staged)
         self._note_slots(spec.epoch, spec.parts if promotion is None else [*spec.parts, promotion])
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
@@ -437,23 +435,18 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 writes.append((DiskWrite(disk, staged=rows), picked))
             if split.copy is not None:
                 out.append((sub, dataclasses.replace(part, spec=split.copy)))
-            elif self.report_failures:  # the part's bytes leave the queue with its writes
-                with self._lock:
-                    self._store_queued[LOCAL] -= len(part.positions) * self._block_bytes
-            for write, picked in writes:
-                later = next(self._sub_ids)
-                written = Part(
-                    LOCAL,
-                    [part.positions[i] for i in picked],
-                    [part.block_hashes[i] for i in picked],
-                    write,
-                )
-                out.append((later, written))
-                with self._lock:
+            # admitted as one part: the writes' bytes count too (in its place, with no copy)
+            queued = sum(len(picked) for _, picked in writes)
+            queued -= 0 if split.copy is not None else len(part.positions)
+            with self._lock:
+                for write, picked in writes:
+                    later = next(self._sub_ids)
+                    positions = [part.positions[i] for i in picked]
+                    hashes = [part.block_hashes[i] for i in picked]
+                    out.append((later, Part(LOCAL, positions, hashes, write)))
                     self._staged.add(later)
-                    self._writes.add(later)
-                    if self.report_failures:  # admitted as one part: its writes' bytes too
-                        self._store_queued[LOCAL] += len(picked) * self._block_bytes
+                if self.report_failures:
+                    self._store_queued[LOCAL] += queued * self._block_bytes
         return out
 
     def _admit_stores(self, parts: list[Part]) -> list[Part]:
@@ -598,7 +591,6 @@ class KvtierOffloadingWorker(OffloadingWorker):
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
             self._staged.discard(sub)
-            self._writes.discard(sub)
             if not ok and isinstance(part.spec, CopyThenWrite) and part.spec.then is not None:
                 part.spec.then.copy.settle(False)  # (a copy refused unrun): its write fails
             if not job.is_load and self.report_failures:  # its room in the queue is free
