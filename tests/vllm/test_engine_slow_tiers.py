@@ -41,7 +41,7 @@ from tests.remote.test_head_keys import calls
 from tests.vllm.conftest import EngineRuns
 from tests.vllm.engine_workloads import BLOCK, overflow_job
 from tests.vllm.test_engine_baseline import assert_same_output
-from tests.vllm.test_engine_kvtier import kvtier
+from tests.vllm.test_engine_kvtier import kvtier, kvtier_lines
 
 # wider than the tiny model: recomputing the prompt must cost far more than a busy
 # machine's Redis round trip (tens of ms under the suite's load, where the tiny model
@@ -151,7 +151,12 @@ def test_a_returning_prompt_is_loaded_where_redis_is_faster_than_recompute(
     slow_scenario: SlowScenario,
 ) -> None:
     (returned,) = slow_scenario.fast.round("return")
-    assert returned.num_cached_tokens == CACHEABLE_TOKENS  # all of it from Redis
+    (cold,) = slow_scenario.fast.round("cold")
+    # all of it from Redis (the message: the engine's own account of its decisions)
+    assert returned.num_cached_tokens == CACHEABLE_TOKENS, (
+        f"cold prompt {cold.wall_s:.3f} s, return {returned.wall_s:.3f} s; "
+        + kvtier_lines(slow_scenario.fast.log)
+    )
     (written,) = slow_scenario.writer.round("write")
     assert_same_output(returned, written)
 

@@ -41,6 +41,7 @@ with quiet():
     )
 
     from kvtier.store.slow_io import SlowIO
+    from kvtier.vllm.offloading.job_specs import WorkerReport
     from kvtier.vllm.offloading.kvtier_connector import KvtierWorkerMetadata
     from kvtier.vllm.offloading.offloading_spec import UNDER_KVTIER_CONNECTOR, KvtierOffloadingSpec
 
@@ -405,6 +406,65 @@ def test_a_hung_disk_write_holds_back_neither_the_flush_nor_a_later_store(
         assert [restarted.block_bytes(i) for i in (10, 11, 12, 13)] == [data[i] for i in range(4)]
     finally:  # a failure above must not leave the disk hung for the teardown
         hung.set()
+
+
+def test_a_store_is_read_from_the_cpu_tier_while_its_disk_write_hangs(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """The write-through's disk write goes on after the copy: the worker reports the copy
+    done (`WorkerReport.copied`), and the scheduler serves the blocks from the CPU tier at
+    once, bytes as copied, while the job waits for the disk (found in CI: behind a disk
+    20 ms a block file slow, a returning prompt was recomputed, its blocks still in
+    flight)."""
+    engine, hung = hung_disk(engines, tmp_path, cpu_blocks=8, disk_blocks=64)
+    try:
+        keys = keys_of(2, start=70)
+        data = engine.compute([0, 1], seed=13)
+        out = engine.manager.prepare_store(keys, engine.ctx)
+        assert out is not None
+        engine.worker.submit_store(90, GPULoadStoreSpec([0, 1], [2], [0]), out.store_spec)
+        engine.worker.wait({90})  # the copy
+        assert engine.hits(keys) == 0  # in flight until the scheduler hears of the copy
+        assert engine.worker.get_finished() == []  # the job waits for its write
+        report = engine.worker.take_report()
+        assert sorted(report.copied) == sorted((0, bytes(k[:-4])) for k in keys)
+        engine.manager.apply_worker_report(report)
+        assert engine.hits(keys) == 2
+        errors, load_report = engine.load(keys, [5, 6])  # from the CPU tier: no disk read
+        assert not errors and not load_report.failed_loads
+        assert [engine.block_bytes(i) for i in (5, 6)] == [data[0], data[1]]
+        hung.set()
+        engine.worker.wait_finished({90})
+        assert [(r.job_id, r.success) for r in engine.worker.get_finished()] == [(90, True)]
+        engine.manager.complete_store(out.keys_to_store, engine.ctx)
+        assert engine.hits(keys) == 2
+    finally:  # a failure above must not leave the disk hung for the teardown
+        hung.set()
+
+
+def test_a_copy_is_readable_once_every_worker_reports_it_in_this_reset_epoch(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """Each worker of a tensor-parallel engine copies its own shard: the blocks are
+    readable once all have said so; a copy of an earlier reset epoch counts for nothing
+    (the same hash stored again since holds other bytes until its own copy is done)."""
+    engine = Engine(
+        {"cpu_bytes_to_use": 8 * BLOCK_BYTES, "disk_path": str(tmp_path / "d")}
+        | {"disk_bytes_to_use": 64 * (BLOCK_BYTES + 128)}
+    )
+    engines.append(engine)
+    manager = engine.manager
+    manager.workers = 2
+    keys = keys_of(2, start=80)
+    hashes = [bytes(k[:-4]) for k in keys]
+    assert manager.prepare_store(keys, engine.ctx) is not None
+    stale = WorkerReport(copied=[(manager.epoch - 1, h) for h in hashes])
+    manager.apply_worker_report(stale.merge(WorkerReport(copied=[(manager.epoch, hashes[0])])))
+    assert engine.hits(keys) == 0  # one worker of two, and a stale epoch's
+    manager.apply_worker_report(WorkerReport(copied=[(manager.epoch, h) for h in hashes]))
+    assert engine.hits(keys) == 1  # the first block: both workers; the second: one
+    manager.complete_store(keys, engine.ctx)  # the job (its count for the second dropped)
+    assert engine.hits(keys) == 2
 
 
 def test_a_hung_disk_sheds_stores_once_its_writes_fill_the_queue(

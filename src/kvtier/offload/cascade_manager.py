@@ -28,7 +28,9 @@ Decisions, and why:
 Data plane contract: a store job gets a `CascadeStoreSpec`, a load job a
 `CascadeLoadSpec`; the scheduler answers with `complete_store(block_hashes_to_store,
 success)` or `complete_load(block_hashes, success)`, which also settle everything
-the job carried (write-through copies, promotions, demotion pins). A demotion that
+the job carried (write-through copies, promotions, demotion pins). A data plane that
+writes a store's disk part apart from its CPU copy may say the copy is done first
+(`complete_copy`): the CPU copies are readable from then on. A demotion that
 fails on disk surfaces as a failed load later (a miss), and
 `discard_disk_blocks` forgets it. `block_hashes_evicted` lists the hashes that left
 the cascade (not those merely demoted). Events come from each tier with its own
@@ -152,6 +154,7 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
         self._demoting: dict[BlockHash, int] = {}  # demoted, job pending -> its old CPU slot
         self._pins: defaultdict[BlockHash, deque[str]] = defaultdict(deque)
         self._promoting: set[BlockHash] = set()
+        self._copied: set[BlockHash] = set()  # CPU copy done, store in flight (complete_copy)
 
     def _ready(self, core: Any, block_hash: BlockHash) -> bool:
         block = core.get_block(block_hash)
@@ -355,8 +358,38 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
             for block_hash in stored:
                 self._groups[block_hash] = group
 
+    def complete_copy(self, block_hashes: Iterable[BlockHash]) -> None:
+        """The CPU copy of these blocks, stored to both tiers, is done while their disk
+        write goes on (a data plane that writes the disk apart from the copy): they are
+        readable from the CPU tier now, and pinned there until the store completes (the
+        write reads their slots). Their disk copies stay in flight. Hashes not in that
+        state (settled, or of another store) are ignored.
+
+        Why: a slow disk would otherwise keep blocks the CPU tier holds unreadable for as
+        long as the disk's queue of writes, and a prompt that returns meanwhile would be
+        recomputed (a returning prompt missed all its blocks behind 20 ms writes)."""
+        core = self._cpu_core
+        ready = []
+        for block_hash in unique_hashes(block_hash_list("complete_copy", block_hashes)):
+            block = core.get_block(block_hash)
+            if block is not None and block.ref_cnt < 0 and block_hash in self._disk_stores:
+                ready.append(block_hash)
+        if not ready:
+            return
+        self.cpu.complete_store(ready)
+        for block_hash in ready:  # pinned as a load pins (not counted as one)
+            core.get_block(block_hash).ref_cnt += 1
+        self._copied.update(ready)
+        self._drain()
+
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        """Settle a store; blocks whose CPU copy was done already (`complete_copy`) are
+        unpinned and stay in the CPU tier if their disk part failed."""
         hashes = unique_hashes(block_hash_list("complete_store", block_hashes))
+        copied = [h for h in hashes if h in self._copied] if self._copied else []
+        if copied:
+            self._copied.difference_update(copied)
+            self.cpu.complete_load(copied)
         if not success:
             for block_hash in hashes:
                 block = self._cpu_core.get_block(block_hash)
@@ -398,6 +431,7 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
         self._demoting.clear()
         self._pins.clear()
         self._promoting.clear()
+        self._copied.clear()
         self._drain()
         return removed
 

@@ -82,6 +82,9 @@ class WorkerReport:
     shed_stores: dict[str, list[BlockHash]] = field(default_factory=dict)
     # blocks of loads given up at their deadline, by the tier timed (cpu, disk, redis)
     expired_loads: dict[str, int] = field(default_factory=dict)
+    # (reset epoch, block) of local stores whose CPU copy is done while their disk write
+    # goes on: readable from the CPU tier once every worker has said so
+    copied: list[tuple[int, BlockHash]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         """Whether anything failed."""
@@ -95,7 +98,7 @@ class WorkerReport:
         )
 
     def worth_sending(self) -> bool:
-        return bool(self) or bool(self.seconds or self.loads or self.steps)
+        return bool(self) or bool(self.seconds or self.loads or self.steps or self.copied)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         stores = _merged(self.failed_stores, other.failed_stores)
@@ -113,6 +116,7 @@ class WorkerReport:
             self.steps + other.steps,
             _merged(self.shed_stores, other.shed_stores),
             dict(Counter(self.expired_loads) + Counter(other.expired_loads)),
+            self.copied + other.copied,
         )
 
 

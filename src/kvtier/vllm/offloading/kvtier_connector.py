@@ -17,6 +17,8 @@ and one thing more (the last point):
   and a corrupt block is forgotten instead of offered again. Under tensor parallelism
   the workers' reports are summed (vLLM completes a job once every worker has, and
   unions their load errors), so a block one worker failed on fails on all of them.
+  The report also says which stores' CPU copies are done while their disk writes go
+  on: readable from the CPU tier once every worker has said so, before the job ends.
 - at start: models with other than attention layers (Mamba) are refused by name.
 - a step with nothing to compute (every request waits for its KV, or every request
   has finished and its stores are in flight) waits a few milliseconds for the oldest

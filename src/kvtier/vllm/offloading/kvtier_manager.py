@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -173,6 +173,7 @@ class KvtierOffloadingManager(OffloadingManager):
         file_bytes: int = 0,
         cost: CostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        workers: int = 1,
     ) -> None:
         """`whole_keys`: the engine has several KV-cache groups (see the module's "Keys");
         `take_discards`: disk files the local tier let go of since the last job (the
@@ -181,7 +182,13 @@ class KvtierOffloadingManager(OffloadingManager):
         job comes (a reset); `keep_files`: deletes every disk file but these (shutdown);
         `block_bytes`, `file_bytes`: one block's bytes, and its disk file's (metrics);
         `cost`: the load-or-recompute model deciding Redis hits (None: every hit is
-        offered, as before it existed); `clock`: for how long a lookup has waited."""
+        offered, as before it existed); `clock`: for how long a lookup has waited;
+        `workers`: the engine's workers, each reporting its own copies (`_note_copies`)."""
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
+        # local store blocks whose CPU copy some workers reported done: how many so far
+        self._copies: Counter[BlockHash] = Counter()
         self.whole_keys = whole_keys
         self._hash_of: Callable[[OffloadKey], BlockHash] = (
             whole_key if whole_keys else block_hash_of
@@ -527,6 +534,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         hashes = [self._hash_of(k) for k in keys]
+        if self._copies:  # a worker whose copy failed never reported it: not counted on
+            for h in hashes:
+                self._copies.pop(h, None)
         for name, _ in self.chain.tiers:  # each tier's part as the worker said it went
             failed = {h for h in hashes if (name, h) in self._failed_stores}
             self._failed_stores.difference_update((name, h) for h in failed)
@@ -557,6 +567,27 @@ class KvtierOffloadingManager(OffloadingManager):
             log.warning("kvtier: %d corrupt disk blocks dropped", len(report.corrupt_blocks))
         self._to_forget.update(report.corrupt_blocks + report.lost_demotions)
         self._forget()
+        if report.copied:
+            self._note_copies(report.copied)
+
+    def _note_copies(self, copied: list[tuple[int, BlockHash]]) -> None:
+        """Local store blocks whose CPU copy every worker has done while their disk writes
+        go on (each worker copies its own shard): readable from the CPU tier now
+        (`CascadeOffloadingManager.complete_copy`). A copy of an earlier reset epoch is
+        not of this epoch's block of the same hash."""
+        complete_copy = getattr(self.local, "complete_copy", None)
+        if complete_copy is None:
+            return
+        ready = []
+        for epoch, block_hash in copied:
+            if epoch != self.epoch:
+                continue
+            self._copies[block_hash] += 1
+            if self._copies[block_hash] >= self.workers:
+                del self._copies[block_hash]
+                ready.append(block_hash)
+        if ready:
+            complete_copy(ready)
 
     def _count_report(self, report: WorkerReport) -> None:
         """The report's part of the per-tier metrics (local store failures and the
@@ -646,6 +677,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self._failed_stores.clear()
         self._failed_loads.clear()
         self._to_forget.clear()
+        self._copies.clear()
         discards = self._next_discards()
         if self._delete_files is not None:
             self._delete_files(discards)
@@ -670,7 +702,14 @@ class KvtierOffloadingManager(OffloadingManager):
         the disk directory is left holding exactly the blocks this side knows, in the
         CPU tier or on disk. Files the worker was never told to delete (evictions since
         the last job, a reset with no job after it, blocks the flush wrote from slots a
-        reset let go of) would otherwise come back at a restart."""
+        reset let go of) would otherwise come back at a restart. The load-or-recompute
+        decisions and estimates are logged once (what `/metrics` showed last, for a run
+        with no scraper: an engine test's log says why a prompt was recomputed)."""
+        cost = self.cost
+        if cost is not None and (gauges := cost.gauges()):
+            decisions = {f"{tier}:{way}": n for (tier, way), n in cost.decisions.items()}
+            estimates = {f"{key}:{tier}": round(v, 6) for (key, tier), v in gauges.items()}
+            log.info("kvtier: load decisions %s; estimates %s", decisions, estimates)
         if self._keep_files is not None and isinstance(self.local, CascadeOffloadingManager):
             discards = self._next_discards()
             try:  # never keep vLLM from stopping

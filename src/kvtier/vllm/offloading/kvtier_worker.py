@@ -192,6 +192,7 @@ class _Job:
     started: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # on the worker's clock: when its load parts are given up
     deadline_s: float = 0.0  # how long that was from its submission
+    epoch: int = 0  # the scheduler's reset epoch it belongs to
 
 
 def freeze_startup_heap() -> None:
@@ -364,7 +365,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._note_slots(spec.epoch, spec.parts if promotion is None else [*spec.parts, promotion])
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
-        job = _Job(is_load, device_ids, getattr(spec, "promotion", None))
+        job = _Job(is_load, device_ids, getattr(spec, "promotion", None), epoch=spec.epoch)
         parts = spec.parts
         if not is_load and not self._remote_writes:  # nothing of its own to write there
             parts = [part for part in parts if part.tier != REMOTE]
@@ -413,7 +414,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         engine's blocks now. vLLM's flush of the engine's blocks (`wait`) then waits for
         the copy alone, and later stores' copies never queue behind a slow disk
         (`cascade_handler.split_disk_part`). The writes count in the local store queue
-        (the part was admitted whole); the vLLM job is done once all of them are."""
+        (the part was admitted whole); the vLLM job is done once all of them are, and
+        the copy's blocks are reported readable from the CPU tier as soon as it is
+        done (`WorkerReport.copied`, in `_settle`)."""
         if self._handler is None:
             return subs
         out: list[tuple[int, Part]] = []
@@ -591,8 +594,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
             self._staged.discard(sub)
-            if not ok and isinstance(part.spec, CopyThenWrite) and part.spec.then is not None:
-                part.spec.then.copy.settle(False)  # (a copy refused unrun): its write fails
+            if isinstance(part.spec, CopyThenWrite) and part.spec.then is not None:
+                if not ok:  # (a copy refused unrun): its write fails
+                    part.spec.then.copy.settle(False)
+                elif job.waiting:  # its write goes on: the CPU tier can serve the blocks
+                    in_cpu = [part.block_hashes[i] for i in part.spec.cpu_positions]
+                    self._report.copied.extend((job.epoch, h) for h in in_cpu)
             if not job.is_load and self.report_failures:  # its room in the queue is free
                 self._dequeue(part)
             job.bytes += nbytes

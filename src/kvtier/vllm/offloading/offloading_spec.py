@@ -38,6 +38,7 @@ from kvtier.store.diskformat import (
 )
 from kvtier.store.shared_dir import list_whole, probe, shared_directory
 from kvtier.types import BlockHash
+from kvtier.vllm.log_setup import follow_vllm_logging
 from kvtier.vllm.offloading.engine_shape import (
     check_disk_sharing,
     check_engine,
@@ -76,6 +77,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         check_vllm_version()
+        follow_vllm_logging()
         super().__init__(config)
         self.kvtier: TierConfig = parse_extra_config(self.extra_config)
         self.report_failures = UNDER_KVTIER_CONNECTOR.get()
@@ -169,6 +171,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             block_bytes=self.layout.bytes_per_block,
             file_bytes=block_file_bytes(self.layout.bytes_per_block),
             cost=CostModel(CostConfig(mode=cfg.load_decision), self.block_size),
+            workers=self.config.parallel.world_size,
         )
 
     def _disk_directories(self) -> list[Path]:
