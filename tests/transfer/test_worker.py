@@ -186,6 +186,24 @@ def test_writes_run_apart_and_hold_back_no_store() -> None:
         plain.submit_write(5, CPULoadStoreSpec([0]))
 
 
+def test_a_close_with_a_deadline_leaves_a_hung_thread_running() -> None:
+    """`close(timeout)`: a write that hangs does not keep the close (a shutdown) waiting
+    past its deadline; the thread ends on its own once the medium goes on, and a later
+    close says so."""
+    kv = random_kv(PER_LAYER, num_blocks=8, seed=5)
+    handler = GatedWrites(kv, MemoryStore(PER_LAYER, 8))
+    worker = TransferWorker(handler, ordered=True)
+    try:
+        worker.submit_write(1, "hangs")  # type: ignore[arg-type]
+        assert not worker.close(timeout=0.05)
+        assert not worker.close(timeout=0.05)  # still hung
+    finally:
+        handler.gate.set()
+    assert worker.close(timeout=60)  # the write ran, then its thread stopped
+    assert [(r.job_id, r.ok) for r in worker.get_finished()] == [(1, True)]
+    assert handler.written == ["hangs"]
+
+
 def test_caller_mistakes_raise_and_change_nothing() -> None:
     kv = random_kv(PER_LAYER, num_blocks=4, seed=4)
     store = MemoryStore(PER_LAYER, 4)

@@ -122,6 +122,51 @@ def test_a_clean_shutdown_keeps_the_cpu_tier_on_disk_for_a_restart(
     assert third.hits(keys) == 0
 
 
+def test_a_reset_waits_for_the_write_in_progress_and_voids_those_not_begun(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """A slow disk's queue of writes at a reset: the next job (vLLM's step) waits for the
+    write in progress only; the writes of before the reset that the writer has not begun
+    are void, written by no one (a disk 20 ms a block file slow with a full queue would
+    otherwise hold the engine for seconds). Counted by the disk's block-file writes: the
+    one in progress (two blocks) and the job after the reset (one), not the two queued."""
+    engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=16, disk_blocks=64)
+    writes: list[str] = []
+    writing = threading.Event()
+
+    def slow(kind: str) -> None:
+        if kind == "write":
+            writes.append(kind)
+            writing.set()
+            hung.wait()
+
+    assert engine.worker.disk is not None
+    engine.worker.disk.io_hook = slow
+    try:
+        engine.compute([0, 1, 2, 3, 4, 5, 6], seed=6)
+        for job, start, ids in ((90, 70, [0, 1]), (92, 72, [2, 3]), (93, 74, [4, 5])):
+            out = engine.manager.prepare_store(keys_of(2, start=start), engine.ctx)
+            assert out is not None
+            engine.worker.submit_store(job, GPULoadStoreSpec(ids, [2], [0]), out.store_spec)
+            engine.worker.wait({job})  # vLLM's flush: the copy only
+        assert writing.wait(60)  # job 90's write has begun; 92's and 93's are queued
+        engine.manager.reset_cache()
+        after = keys_of(1, start=80)
+        out = engine.manager.prepare_store(after, engine.ctx)
+        assert out is not None and out.store_spec.epoch == 1
+        threading.Timer(0.2, hung.set).start()
+        engine.worker.submit_store(91, GPULoadStoreSpec([6], [1], [0]), out.store_spec)
+        engine.worker.wait_finished({90, 91, 92, 93})
+        assert {r.job_id for r in engine.worker.get_finished()} == {90, 91, 92, 93}
+        assert not engine.worker.take_report().failed_stores  # void, not failed
+        assert len(writes) == 3
+        engine.manager.complete_store(out.keys_to_store, engine.ctx)
+        files = {p.stem for p in block_files(tmp_path / "disk")}
+        assert [after[0][:-4].hex() in name for name in files] == [True], files
+    finally:  # a failure above must not leave the disk hung for the teardown
+        hung.set()
+
+
 def test_a_flush_writes_only_what_the_cpu_tier_holds_after_a_reset(
     engines: list[Engine], tmp_path: Path
 ) -> None:

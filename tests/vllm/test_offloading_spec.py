@@ -442,6 +442,31 @@ def test_a_store_is_read_from_the_cpu_tier_while_its_disk_write_hangs(
         hung.set()
 
 
+def test_a_shutdown_goes_on_without_the_writes_of_a_disk_that_hangs(
+    engines: list[Engine], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The flush at shutdown waits for the disk writes in flight, and the transfer
+    threads for their jobs: a disk that hangs would keep the engine from ever stopping.
+    Both waits have a bound; past it the CPU tier is not flushed (said in the log) and
+    the threads are left to end on their own."""
+    engine, hung = hung_disk(engines, tmp_path, cpu_blocks=8, disk_blocks=64)
+    try:
+        engine.compute([0, 1], seed=14)
+        out = engine.manager.prepare_store(keys_of(2, start=75), engine.ctx)
+        assert out is not None
+        engine.worker.submit_store(91, GPULoadStoreSpec([0, 1], [2], [0]), out.store_spec)
+        engine.worker.wait({91})  # copied; the write hangs
+        engine.worker.shutdown_wait_s = 0.2
+        stopping = threading.Thread(target=engine.worker.shutdown, daemon=True)
+        stopping.start()
+        stopping.join(60)  # (a shutdown that waited for the disk would still be here)
+        assert not stopping.is_alive(), "the shutdown waited for a disk that hangs"
+        assert "the CPU tier is not flushed" in caplog.text
+        assert "left running" in caplog.text
+    finally:  # the write (and the thread) go on once the disk does
+        hung.set()
+
+
 def test_a_copy_is_readable_once_every_worker_reports_it_in_this_reset_epoch(
     engines: list[Engine], tmp_path: Path
 ) -> None:

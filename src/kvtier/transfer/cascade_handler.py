@@ -22,10 +22,11 @@ for a store's copy out of the engine's blocks before it reuses them (its flush),
 with the write-through in the same job, on the same thread as every later copy, it
 waited for the disk: with 20 ms a block file, an engine served 0.13x vLLM alone's
 requests/s. A write depends on no other job of its reset epoch: its blocks' store is
-in flight, so they are neither evicted, discarded, loaded nor stored again, and their
-CPU slots are handed to no other store until it completes; the worker waits for the
-writes of an epoch before the first job of the next (`KvtierOffloadingWorker`), whose
-discards delete what they wrote.
+in flight, so they are neither evicted, discarded nor stored again, nor loaded but from
+their CPU slots once the copy is done (a read: `CascadeOffloadingManager.complete_copy`),
+and their CPU slots are handed to no other store until it completes. At a reset the
+worker waits for the write in progress before the first job of the next epoch, whose
+discards delete what it wrote; the writes not begun are void (`DiskWrite.void`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class DiskWrite(LoadStoreSpec):
     slots: CPULoadStoreSpec | None = None
     staged: Any = None
     copy: CopyOutcome = field(default_factory=CopyOutcome, compare=False, repr=False)
+    # set once the write is void (its store's reset epoch is over): not written, and not
+    # failed, when the writer comes to it
+    void: threading.Event | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def medium() -> str:
@@ -245,6 +249,9 @@ class CascadeHandler:
         submission, or from the CPU slots its store's copy filled."""
         if not isinstance(spec, DiskWrite):
             raise TypeError(f"cascade write job needs a DiskWrite, got {spec!r}")
+        if spec.void is not None and spec.void.is_set():
+            spec.staged = None  # (its host rows go now)
+            return 0
         if spec.staged is not None:
             staged, spec.staged = spec.staged, None  # its memory goes with the write
             staged.write_to(self.disk, spec.disk)

@@ -90,11 +90,16 @@ class _Job(NamedTuple):
     ready: Any
 
 
+def _left(deadline: float | None) -> float | None:
+    """The seconds left until `deadline` (None: no deadline), never below 0."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
 class _JobQueue(Protocol):
     """A direction's queue of jobs: `queue.Queue`, or the ordered worker's `_OrderedJobs`."""
 
     def put_nowait(self, item: Any) -> None: ...
-    def put(self, item: Any) -> None: ...
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None: ...
     def get(self) -> Any: ...
     def get_nowait(self) -> Any: ...
 
@@ -120,7 +125,8 @@ class _OrderedJobs:
             self._items.append(item)
             self._ready.notify()
 
-    def put(self, item: Any) -> None:  # the stop marker: never refused
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        """The stop marker: never refused."""
         with self._ready:
             self._items.append(item)
             self._ready.notify()
@@ -218,6 +224,9 @@ class TransferWorker:
             for i, q in enumerate(served)
         ]
         self._closed = False
+        # the queues still to get their thread's stop marker, and the handler's close
+        self._unstopped = {id(q): q for q in served}
+        self._close_handler: Callable[[], None] | None = getattr(handler, "close", None)
         for thread in self._threads:
             thread.start()
 
@@ -329,19 +338,30 @@ class TransferWorker:
         with self._lock:
             return self._lock.wait_for(lambda: not (wanted & self._outstanding), timeout)
 
-    def close(self) -> None:
-        """Finish queued jobs, then stop the threads."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish queued jobs, then stop the threads; whether they have stopped. False if
+        `timeout` seconds passed first (a medium that hangs): the threads are left to end
+        on their own (daemons: they never keep the process from exiting), and the
+        handler with them; a later call asks again."""
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-        for jobs in {id(q): q for q in self._queues.values()}.values():
-            jobs.put(_STOP)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for key in list(self._unstopped):  # each thread's queue gets its stop marker once
+            try:
+                self._unstopped[key].put(_STOP, timeout=_left(deadline))
+            except queue.Full:  # its thread hangs on a job, with a full queue behind it
+                log.warning("transfer worker: closing with a full queue; its thread hangs")
+                return False
+            del self._unstopped[key]
         for thread in self._threads:
-            thread.join()
-        close = getattr(self.handler, "close", None)  # a handler's own helper threads
-        if close is not None:
+            thread.join(_left(deadline))
+            if thread.is_alive():
+                log.warning("transfer worker: %s still busy at close; left running", thread.name)
+                return False
+        close, self._close_handler = self._close_handler, None
+        if close is not None:  # a handler's own helper threads
             close()
+        return True
 
     def __enter__(self) -> TransferWorker:
         return self

@@ -76,6 +76,10 @@ from kvtier.vllm.offloading.job_specs import (
 
 log = logging.getLogger(__name__)
 FLUSH_BATCH = 64  # blocks per disk write of the flush at shutdown
+# how long a shutdown waits for the disk writes in flight (then for each transfer thread)
+# before it goes on without them: a healthy disk ends a full writer queue (64 jobs) in a
+# second or two; one that hangs would otherwise keep the engine from ever stopping
+SHUTDOWN_WAIT_S = 30.0
 
 
 def _slots_of(part: Part) -> list[tuple[int, BlockHash]]:
@@ -261,6 +265,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.kv = PagedDeviceKV(layout, [t.tensor for t in kv_caches.tensors])
         self.clock: Callable[[], float] = time.perf_counter  # the loads' deadlines
         self.idle: Callable[[float], None] = time.sleep  # an empty step with nothing here
+        self.shutdown_wait_s = SHUTDOWN_WAIT_S
         self._block_bytes = layout.bytes_per_block
         self.memory = MemoryStore(layout, num_cpu_slots, checksums=config.cpu_checksums)
         self.report_failures = report_failures
@@ -324,6 +329,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         # host memory at submission (`_stage_remote`; a CPU device only, see `snapshot`),
         # and the local tier's disk writes (`_split_writes`)
         self._staged: set[int] = set()
+        # set at a reset: the disk writes of the epoch before it that are still queued
+        self._writes_void = threading.Event()
         # a store's blocks a full CPU tier sends straight to disk are copied into host
         # rows at submission and written apart, on a CPU device (see `snapshot`)
         self._snapshots = self._handler is not None and self.kv.device.type == "cpu"
@@ -360,7 +367,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if self._handler is not None and spec.epoch != self._epoch:
             # a reset: the last epoch's disk writes end before this job's discards (which
             # delete what they wrote) and before any of its jobs (whose blocks may have
-            # the same hashes and, after a weight update, other bytes)
+            # the same hashes and, after a weight update, other bytes); those the writer
+            # has not begun are void (written by no one: a reset waits for the write in
+            # progress, not for a slow disk's whole queue)
+            self._writes_void.set()
+            self._writes_void = threading.Event()
             self._wait(set(self._jobs), lambda tier, sub: tier == LOCAL and sub in self._staged)
         self._note_slots(spec.epoch, spec.parts if promotion is None else [*spec.parts, promotion])
         if spec.discards and self._handler is not None:  # in order, before this job
@@ -443,6 +454,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             queued -= 0 if split.copy is not None else len(part.positions)
             with self._lock:
                 for write, picked in writes:
+                    write.void = self._writes_void
                     later = next(self._sub_ids)
                     positions = [part.positions[i] for i in picked]
                     hashes = [part.block_hashes[i] for i in picked]
@@ -686,7 +698,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if self.disk is None or not self.workers:
             return 0
         # the disk writes too (a block written twice at once would share a temp file)
-        self._wait(set(self._jobs), lambda tier, sub: tier == LOCAL or sub not in self._staged)
+        every_write = lambda tier, sub: tier == LOCAL or sub not in self._staged  # noqa: E731
+        if not self._wait(set(self._jobs), every_write, timeout=self.shutdown_wait_s):
+            log.warning(
+                "kvtier: disk writes still in flight after %.0f s at shutdown (a disk that "
+                "hangs): the CPU tier is not flushed; a restart finds what reached the disk",
+                self.shutdown_wait_s,
+            )
+            return 0
         with self._lock:
             pending = [(s, h) for s, h in self._slots.items() if h not in self.disk]
         written = 0
@@ -759,9 +778,15 @@ class KvtierOffloadingWorker(OffloadingWorker):
         `get_finished`)."""
         self._wait(job_ids, lambda tier, sub: True)
 
-    def _wait(self, job_ids: set[int], waits_for: Callable[[str, int], bool]) -> None:
+    def _wait(
+        self,
+        job_ids: set[int],
+        waits_for: Callable[[str, int], bool],
+        timeout: float | None = None,
+    ) -> bool:
         """Until no part of these jobs that `waits_for(tier, sub)` (asked under the lock)
-        is left."""
+        is left; False if `timeout` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
                 subs = {
@@ -772,9 +797,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     if waits_for(part.tier, sub)
                 }
             if not subs:
-                return
+                return True
             for tier, worker in self.workers.items():
-                worker.wait([sub for t, sub in subs if t == tier])
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                worker.wait([sub for t, sub in subs if t == tier], timeout=left)
             self._poll()
 
     def shutdown(self) -> None:
@@ -784,7 +812,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         except Exception:  # never keep the engine from shutting down
             log.exception("kvtier: flush of the CPU tier at shutdown failed")
         for worker in self.workers.values():
-            worker.close()
+            worker.close(timeout=self.shutdown_wait_s)
         self.workers = {}
         if self.disk is not None:
             self.disk.close()
