@@ -238,6 +238,7 @@ def bench(
                 cpu_bytes_to_use=SMALL_CPU_POOLS * setup.pool_blocks * block_bytes,
                 disk_path=str(workdir / profile.server / "disk"),
                 disk_bytes_to_use=40 * setup.pool_blocks * block_bytes,
+                disk_writes="demote" if profile.demote else "write_through",
             )
             configs[profile.server] = replace(alone, kv_transfer_config=kvtier, env=profile.env)
         started = time.perf_counter()

@@ -16,6 +16,8 @@ A profile names one kvtier server and, for a Redis tier, how the link to it is s
     disk:read_ms=50:write_ms=20       every block file the disk tier reads (writes) held
                                       up this long in its I/O threads (a disk shared
                                       with other writers; `kvtier.store.slow_io`)
+    disk:demote=1                     the disk written on CPU eviction (`disk_writes:
+                                      demote`) rather than through every CPU store
 
 Fields combine (`redis:delay_ms=50:rate_mb_s=20`). Every profile runs beside vLLM alone
 on the same workload, rates and warm-up (bench_serving). The Redis and disk servers' CPU
@@ -49,6 +51,7 @@ FIELDS = {
     "disk": {
         "read_ms": "milliseconds each block file's read is held up, a number >= 0",
         "write_ms": "milliseconds each block file's write is held up, a number >= 0",
+        "demote": "1: written on CPU eviction (disk_writes: demote), 0: write-through",
     },
 }
 
@@ -82,6 +85,7 @@ class TierProfile:
     disk: bool = False
     read_s: float = 0.0
     write_s: float = 0.0
+    demote: bool = False
 
     @property
     def server(self) -> str:
@@ -143,7 +147,8 @@ def parse_profile(text: str) -> TierProfile:
         values[key] = _number(text, key, raw, allowed[key])
     if kind == "disk":
         read, write = values.get("read_ms", 0.0), values.get("write_ms", 0.0)
-        return TierProfile(text, disk=True, read_s=read / 1000, write_s=write / 1000)
+        demote = bool(values.get("demote", 0.0))
+        return TierProfile(text, disk=True, read_s=read / 1000, write_s=write / 1000, demote=demote)
     stall = values.get("stall_after")
     return TierProfile(
         text,
@@ -165,6 +170,7 @@ def _number(profile: str, key: str, raw: str, what: str) -> float:
         or value < 0
         or (key == "rate_mb_s" and value == 0)
         or (key == "stall_after" and value != int(value))
+        or (key == "demote" and value not in (0, 1))
     )
     if bad:
         raise ValueError(allowed)

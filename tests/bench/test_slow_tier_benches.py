@@ -41,6 +41,9 @@ def test_profiles_are_read_field_by_field() -> None:
     assert SlowIO.parse(slow_disk.env[ENV]) == SlowIO(read_s=0.05, write_s=0.02)
     assert (parse_profile("disk").server, parse_profile("disk").env) == ("kvtier_disk", {})
     assert not parse_profile("disk").redis and parse_profile("disk").stall_hook(None) is None
+    demote = parse_profile("disk:demote=1")
+    assert demote.demote and not parse_profile("disk:demote=0").demote
+    assert demote.server == "kvtier_disk_demote_1" and not parse_profile("disk").demote
 
 
 @pytest.mark.parametrize(
@@ -48,7 +51,11 @@ def test_profiles_are_read_field_by_field() -> None:
     [
         ("ssd", "unknown kind 'ssd'; allowed: cpu, alone, redis[:FIELD=VALUE...]"),
         ("cpu:delay_ms=5", "unknown kind 'cpu'"),
-        ("disk:delay_ms=5", "'delay_ms=5' is not FIELD=VALUE with FIELD one of read_ms, write_ms"),
+        (
+            "disk:delay_ms=5",
+            "'delay_ms=5' is not FIELD=VALUE with FIELD one of read_ms, write_ms, demote",
+        ),
+        ("disk:demote=2", "demote='2'; 1: written on CPU eviction"),
         ("disk:read_ms=-1", "read_ms='-1'; milliseconds each block file's read is held up"),
         ("redis:delay=5", "'delay=5' is not FIELD=VALUE with FIELD one of delay_ms"),
         ("redis:delay_ms", "'delay_ms' is not FIELD=VALUE"),

@@ -35,8 +35,8 @@ class Engine:
         disk_filter: bool = False,
         split_writes: bool = False,
     ) -> None:
-        """`split_writes`: a store whose write-through reads its own CPU slots runs as
-        its copy and a write of its own, as kvtier's vLLM worker runs it."""
+        """`split_writes`: a store's disk writes (its write-through, its demotion) run
+        apart from its copy, as kvtier's vLLM worker runs them."""
         self.kv = random_kv(layout, NUM_DEVICE_BLOCKS, seed=11)
         self.memory = MemoryStore(layout, cpu_blocks, checksums=True)
         self.disk_store = DiskStore(root, layout, DiskStore.capacity_for(layout, disk_blocks))
@@ -99,8 +99,10 @@ class Engine:
                 disk, picked = split.from_device
                 rows = self.handler.snapshot(np.asarray([ids[i] for i in picked], dtype=np.int64))
                 writes.append((DiskWrite(disk, staged=rows), picked))
+            if split.demotion is not None:
+                writes.append((split.demotion, []))
             for k, (write, _) in enumerate(writes):
-                write_id = -1 - 2 * job - k
+                write_id = -1 - 3 * job - k
                 self._writes[write_id] = job
                 self.worker.submit_write(write_id, write)
             if split.copy is None:

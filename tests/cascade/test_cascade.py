@@ -277,3 +277,37 @@ def test_a_split_store_writes_its_blocks_as_they_were_when_submitted(tmp_path: P
             assert block_bytes(engine.kv, target) == engine.expected[block_hash]
     finally:
         engine.close()
+
+
+def test_a_split_demotion_holds_back_no_copy_and_no_load_reads_a_reused_slot(
+    tmp_path: Path,
+) -> None:
+    """With `disk_writes: demote` and a full CPU tier every store evicts, and its
+    demotion was the store's disk write, run in its copy: vLLM's flush of every store
+    waited for the disk. Cut away (as kvtier's vLLM worker runs it), the copy job takes
+    the evicted blocks out of their slots and goes on while their write hangs; a load of
+    one of them meanwhile fails (recomputed: its slot holds the new block), and once the
+    write is done it loads the demoted bytes from disk."""
+    engine = Engine(PER_LAYER, tmp_path, cpu_blocks=2, disk_writes="demote", split_writes=True)
+    gate = threading.Event()
+    try:
+        engine.store(hs(1, 2), [1, 2])
+        assert engine.finish() == {"ok": 1, "failed": 0}
+        engine.disk_store.io_hook = lambda kind: gate.wait() if kind == "write" else None
+        engine.store(hs(3, 4), [3, 4])  # evicts 1 and 2: their demotion hangs
+        store_job = max(engine._jobs)
+        assert engine.worker.wait([store_job], timeout=60)  # the copy, not the disk
+        assert engine.cascade.lookup(hs(1)) == 1  # readable on disk at once (cascade)
+        engine.load(hs(1))
+        load_job = max(engine._jobs)
+        assert engine.worker.wait([load_job], timeout=60)
+        gate.set()
+        assert engine.finish() == {"ok": 1, "failed": 1}  # the load failed, not the store
+        assert engine.cascade.lookup(hs(1, 2)) == 2
+        targets = engine.load(hs(1, 2))
+        assert engine.finish() == {"ok": 1, "failed": 0}
+        for block_hash, target in zip(hs(1, 2), targets, strict=True):
+            assert block_bytes(engine.kv, target) == engine.expected[block_hash]
+    finally:
+        gate.set()
+        engine.close()

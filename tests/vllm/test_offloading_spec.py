@@ -136,7 +136,11 @@ class Engine:
 
 
 def hung_disk(
-    engines: list[Engine], path: Path, cpu_blocks: int, disk_blocks: int
+    engines: list[Engine],
+    path: Path,
+    cpu_blocks: int,
+    disk_blocks: int,
+    disk_writes: str = "write_through",
 ) -> tuple[Engine, threading.Event]:
     """An engine whose disk tier's writes wait for the event returned: set it in a
     `finally` (the worker's shutdown waits for the writes)."""
@@ -145,6 +149,7 @@ def hung_disk(
             "cpu_bytes_to_use": cpu_blocks * BLOCK_BYTES,
             "disk_path": str(path),
             "disk_bytes_to_use": disk_blocks * (BLOCK_BYTES + 128),
+            "disk_writes": disk_writes,
         }
     )
     engines.append(engine)
@@ -438,6 +443,41 @@ def test_a_store_is_read_from_the_cpu_tier_while_its_disk_write_hangs(
         assert [(r.job_id, r.success) for r in engine.worker.get_finished()] == [(90, True)]
         engine.manager.complete_store(out.keys_to_store, engine.ctx)
         assert engine.hits(keys) == 2
+    finally:  # a failure above must not leave the disk hung for the teardown
+        hung.set()
+
+
+def test_a_demotion_to_a_disk_that_hangs_holds_back_no_flush(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """`disk_writes: demote` with a full CPU tier: every store evicts, and its demotion
+    is its only disk write. vLLM's flush waits for the store's copy alone; the job
+    completes once the demotion is on disk, and the demoted blocks are there."""
+    engine, hung = hung_disk(engines, tmp_path, cpu_blocks=2, disk_blocks=64, disk_writes="demote")
+    try:
+        first, second = keys_of(2, start=40), keys_of(2, start=42)
+        data = engine.compute([0, 1, 2, 3], seed=15)
+        engine.store(first, [0, 1])  # the CPU tier has room: no disk write
+        out = engine.manager.prepare_store(second, engine.ctx)  # evicts first: demoted
+        assert out is not None
+        # a flush that waited for the disk would hang: the watchdog lets the disk go on
+        # (and the test fail here) instead
+        watchdog = threading.Timer(120, hung.set)
+        watchdog.start()
+        engine.worker.submit_store(95, GPULoadStoreSpec([2, 3], [2], [0]), out.store_spec)
+        engine.worker.wait({95})  # the flush: the copy; the demotion hangs
+        assert not hung.is_set(), "the flush waited for the disk"
+        assert engine.worker.get_finished() == []  # the job waits for its demotion
+        hung.set()
+        watchdog.cancel()
+        engine.worker.wait_finished({95})
+        assert [(r.job_id, r.success) for r in engine.worker.get_finished()] == [(95, True)]
+        engine.manager.complete_store(out.keys_to_store, engine.ctx)
+        assert not engine.worker.take_report()  # nothing failed, nothing lost
+        assert engine.hits(first) == 2  # from disk
+        errors, report = engine.load(first, [10, 11])
+        assert not errors and not report.failed_loads
+        assert [engine.block_bytes(i) for i in (10, 11)] == [data[0], data[1]]
     finally:  # a failure above must not leave the disk hung for the teardown
         hung.set()
 

@@ -21,7 +21,9 @@ Decisions, and why:
   queue; `kvtier.transfer.cascade_handler`), so a demotion always precedes the overwrite,
   and on the engine submitting each job before it prepares a later store (the
   normal step order): a load prepared while a demotion is pending must not queue
-  behind a store of a later step that reuses the same slot.
+  behind a store of a later step that reuses the same slot. (A data plane that
+  writes a store's demotion apart from its copy, from host rows taken before the
+  overwrite, fails such a load in the window between the two: a recompute.)
 - Disk hits are promoted into CPU slots as part of the load (`promote`, default on);
   the disk copy stays, so evicting the block from CPU again costs no write.
 

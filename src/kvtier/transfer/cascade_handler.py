@@ -1,8 +1,9 @@
 """The data plane of the CPU -> disk cascade: one job runs everything its spec lists.
 
 Order inside a job is fixed here: a demotion reads CPU slots the same job is about
-to overwrite, so it runs first; write-through disk copies are taken from the CPU
-slots just written (no second device read); a promotion copies freshly loaded
+to overwrite, so it runs first (or, cut away from a store, copies them into host rows
+first, for a write apart: `_split_demotion`); write-through disk copies are taken from
+the CPU slots just written (no second device read); a promotion copies freshly loaded
 device blocks into their new CPU slots after the load. Any failure fails the job,
 except a demotion's: the evicted blocks are not the job's, so a failed demotion
 is recorded (`take_lost`) for the scheduler to forget, and the job goes on.
@@ -85,6 +86,11 @@ class DiskWrite(LoadStoreSpec):
     # set once the write is void (its store's reset epoch is over): not written, and not
     # failed, when the writer comes to it
     void: threading.Event | None = field(default=None, compare=False, repr=False)
+    # a store's demotion (`split_disk_part`), written from `rows`: the evicted blocks
+    # copied out of their CPU slots by the store's job, before its copy overwrote them
+    demotion: Demotion | None = None
+    rows: list[bytes] | None = field(default=None, compare=False, repr=False)
+    staging_failed: bool = False  # (recorded as a failed demotion by the store's job)
 
     @staticmethod
     def medium() -> str:
@@ -97,6 +103,7 @@ class CopyThenWrite(CascadeStoreSpec):
     any disk part still read from the engine's blocks), then `then`."""
 
     then: DiskWrite | None = None
+    demotion_write: DiskWrite | None = None  # its demotion's (the spec's `demotion` None)
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,7 @@ class WriteSplit:
     copy: CopyThenWrite | None  # None: nothing left to run but the writes
     from_slots: tuple[DiskWrite, list[int]] | None  # written from the copy's CPU slots
     from_device: tuple[DiskLoadStoreSpec, list[int]] | None  # for the caller to snapshot
+    demotion: DiskWrite | None = None  # the demotion's, from rows the copy job takes
 
 
 def split_disk_part(spec: CascadeStoreSpec, device_apart: bool) -> WriteSplit | None:
@@ -114,7 +122,9 @@ def split_disk_part(spec: CascadeStoreSpec, device_apart: bool) -> WriteSplit | 
     (a CPU tier too full to take them) for the caller to copy out of the engine's blocks
     and write apart; None where there is no disk part to cut."""
     if spec.disk is None or not spec.disk_positions:
-        return None
+        if spec.demotion is None:
+            return None
+        return _split_demotion(spec)
     cpu_positions = spec.cpu_positions if spec.cpu is not None else []
     in_cpu = {p: i for i, p in enumerate(cpu_positions)}
     mine = [i for i, p in enumerate(spec.disk_positions) if p in in_cpu]
@@ -153,6 +163,19 @@ def split_disk_part(spec: CascadeStoreSpec, device_apart: bool) -> WriteSplit | 
     return WriteSplit(copy, from_slots, from_device)
 
 
+def _split_demotion(spec: CascadeStoreSpec) -> WriteSplit:
+    """A store with a demotion and no disk part of its own (`disk_writes: demote`): its
+    copy, after the evicted blocks are copied out of their CPU slots into host rows
+    (`CascadeHandler._stage_demotion`), and their write to disk apart. The demotion is
+    the store's only disk I/O, and it ran in the copy: with the CPU tier full (an engine's
+    normal state) every store's flush waited for a disk write."""
+    assert spec.demotion is not None
+    outcome = CopyOutcome()
+    demotion = DiskWrite(spec.demotion.dst, copy=outcome, demotion=spec.demotion)
+    copy = CopyThenWrite(spec.cpu, list(spec.cpu_positions), demotion_write=demotion)
+    return WriteSplit(copy, None, None, demotion)
+
+
 class CascadeHandler:
     """Moves the bytes of `CascadeStoreSpec` / `CascadeLoadSpec` jobs."""
 
@@ -174,6 +197,9 @@ class CascadeHandler:
         # Keyed by slot, so it holds at most one entry per slot: a load naming (slot,
         # block) runs before any later demotion from that slot (see `_load_disk`).
         self._failed_demotions: dict[int, BlockHash] = {}
+        # blocks of store demotions copied out of their CPU slots, not yet on disk (by
+        # how many such demotions hold them): a load of one meanwhile fails (`_load_disk`)
+        self._staged_demotions: dict[BlockHash, int] = {}
         self._lock = threading.Lock()
         # Demotions that never reached the disk, and their blocks, since creation: the
         # job goes on, so only these say that the disk tier's store failed.
@@ -222,13 +248,18 @@ class CascadeHandler:
         try:
             return self._store(device_ids, spec, ready)
         finally:  # a copy that failed (or wrote nothing) lets its write go on, to fail
-            if isinstance(spec, CopyThenWrite) and spec.then is not None:
-                spec.then.copy.settle(False)
+            if isinstance(spec, CopyThenWrite):
+                for write in (spec.then, spec.demotion_write):
+                    if write is not None:
+                        write.copy.settle(False)  # (no change where it settled already)
 
     def _store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
         if not isinstance(spec, CascadeStoreSpec):
             raise TypeError(f"cascade store job needs a CascadeStoreSpec, got {spec!r}")
-        self._demote(spec.demotion)
+        if isinstance(spec, CopyThenWrite) and spec.demotion_write is not None:
+            self._stage_demotion(spec.demotion_write)
+        else:
+            self._demote(spec.demotion)
         moved = 0
         if spec.cpu is not None and spec.cpu_positions:
             moved += self._host.store(device_ids[spec.cpu_positions], spec.cpu, ready)
@@ -249,6 +280,8 @@ class CascadeHandler:
         submission, or from the CPU slots its store's copy filled."""
         if not isinstance(spec, DiskWrite):
             raise TypeError(f"cascade write job needs a DiskWrite, got {spec!r}")
+        if spec.demotion is not None:
+            return self._write_demotion(spec, spec.demotion)
         if spec.void is not None and spec.void.is_set():
             spec.staged = None  # (its host rows go now)
             return 0
@@ -302,16 +335,28 @@ class CascadeHandler:
         if not isinstance(spec.disk, DiskLoadStoreSpec):
             raise TypeError(f"cascade disk part needs a DiskLoadStoreSpec, got {spec.disk!r}")
         hashes, positions = spec.disk.block_hashes, spec.disk_positions
+        if spec.demoting:
+            # copied out of a slot its store's copy has overwritten, and not on disk yet
+            # (`_stage_demotion`): asked before the disk, which has them once they are not
+            with self._lock:
+                staged = [
+                    hashes[i].hex()
+                    for i, p in enumerate(positions)
+                    if p in spec.demoting and hashes[i] in self._staged_demotions
+                ]
+            if staged:
+                raise BlockLoadError(f"{staged} are being demoted: their slots are reused")
         from_slot = [
             i for i, p in enumerate(positions) if p in spec.demoting and hashes[i] not in self.disk
         ]
         if not from_slot:
             return self._staged.load(spec.disk, device_ids[positions], ready, guard)
-        failed = [
-            hashes[i].hex()
-            for i in from_slot
-            if self._failed_demotions.get(spec.demoting[positions[i]]) == hashes[i]
-        ]
+        with self._lock:
+            failed = [
+                hashes[i].hex()
+                for i in from_slot
+                if self._failed_demotions.get(spec.demoting[positions[i]]) == hashes[i]
+            ]
         if failed:
             raise BlockLoadError(f"demotion of {failed} failed; their CPU slots were reused")
         slot_set = set(from_slot)
@@ -334,14 +379,70 @@ class CascadeHandler:
             self.memory.verify(slots)
             self.disk.write_segments(demotion.dst, self.memory.slot_parts(slots))
         except Exception as exc:  # not this job's blocks: record, and go on
-            log.warning("demotion of %d blocks failed: %r", len(demotion.block_hashes), exc)
-            with self._lock:
-                self._lost.extend(demotion.block_hashes)
-                self.failed_demotions += 1
-                self.failed_demotion_blocks += len(demotion.block_hashes)
+            self._demotion_failed(demotion, exc)
+            return
+        self._demotion_done(demotion)
+
+    def _demotion_failed(self, demotion: Demotion, exc: BaseException) -> None:
+        """Record a demotion that never reached the disk: the scheduler forgets its blocks
+        (`take_lost`), and a load still naming their old slots fails (`_load_disk`)."""
+        log.warning("demotion of %d blocks failed: %r", len(demotion.block_hashes), exc)
+        with self._lock:
+            self._lost.extend(demotion.block_hashes)
+            self.failed_demotions += 1
+            self.failed_demotion_blocks += len(demotion.block_hashes)
             self._failed_demotions.update(
                 zip(demotion.src.block_ids.tolist(), demotion.block_hashes, strict=True)
             )
+
+    def _demotion_done(self, demotion: Demotion) -> None:
+        with self._lock:
+            for slot in demotion.src.block_ids.tolist():
+                self._failed_demotions.pop(slot, None)
+
+    def _stage_demotion(self, write: DiskWrite) -> None:
+        """A store's demotion whose write runs apart (`_split_demotion`): the evicted
+        blocks copied out of their CPU slots now, in the store's job, before its copy
+        overwrites them; the write takes them to disk (`_write_demotion`)."""
+        demotion = write.demotion
+        assert demotion is not None
+        try:
+            slots = self.memory.slot_ids(demotion.src)
+            self.memory.verify(slots)
+            rows = [b"".join(parts) for parts in self.memory.slot_parts(slots)]
+        except Exception as exc:  # not this job's blocks: record, and go on
+            write.staging_failed = True
+            self._demotion_failed(demotion, exc)
             return
-        for slot in slots.tolist():
-            self._failed_demotions.pop(slot, None)
+        with self._lock:
+            for block_hash in demotion.block_hashes:
+                self._staged_demotions[block_hash] = self._staged_demotions.get(block_hash, 0) + 1
+        write.rows = rows
+        write.copy.settle(True)  # the write may go (the copy goes on)
+
+    def _write_demotion(self, write: DiskWrite, demotion: Demotion) -> int:
+        """The disk write of a staged demotion: never a failure of its job (the blocks
+        are not the job's); one that fails, or whose store's job never staged it, is
+        recorded as a failed demotion before its blocks stop counting as staged, so no
+        load reads the slot they left."""
+        if not write.copy.done.wait(COPY_WAIT_S):
+            write.copy.settle(False)
+        rows, write.rows = write.rows, None
+        if rows is None:  # staging failed (recorded), or the store's job never ran
+            if not write.staging_failed:
+                self._demotion_failed(demotion, RuntimeError("its store's job never ran"))
+            return 0
+        try:
+            if write.void is None or not write.void.is_set():
+                self.disk.write_segments(demotion.dst, [[memoryview(row)] for row in rows])
+        except Exception as exc:
+            self._demotion_failed(demotion, exc)
+        else:
+            self._demotion_done(demotion)
+        finally:
+            with self._lock:
+                for block_hash in demotion.block_hashes:
+                    left = self._staged_demotions.pop(block_hash, 1) - 1
+                    if left:
+                        self._staged_demotions[block_hash] = left
+        return len(rows) * self.kv.layout.bytes_per_block

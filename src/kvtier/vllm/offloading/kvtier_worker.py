@@ -161,9 +161,12 @@ def _ran(job: _Job, began: float) -> float:
 
 
 def _writes_disk(part: Part) -> bool:
-    """Whether a store part writes the disk (and so may take the writer's queue)."""
+    """Whether a store part writes the disk, a demotion included (and so may take the
+    writer's queue)."""
     spec = part.spec
-    return isinstance(spec, CascadeStoreSpec) and spec.disk is not None
+    return isinstance(spec, CascadeStoreSpec) and (
+        spec.disk is not None or spec.demotion is not None
+    )
 
 
 def _medium_of(part: Part) -> str:
@@ -427,8 +430,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
         (`cascade_handler.split_disk_part`). The writes count in the local store queue
         (the part was admitted whole); the vLLM job is done once all of them are, and
         the copy's blocks are reported readable from the CPU tier as soon as it is
-        done (`WorkerReport.copied`, in `_settle`)."""
-        if self._handler is None:
+        done (`WorkerReport.copied`, in `_settle`). A store's demotion (`disk_writes:
+        demote`) is cut away the same way: the copy job copies the evicted blocks out
+        of their slots, and a write takes them to disk (`cascade_handler._split_demotion`).
+        Under vLLM's own connector nothing is cut: it sheds no store, and a write refused
+        by a full writer queue would fail a job it asserts succeeds."""
+        if self._handler is None or not self.report_failures:
             return subs
         out: list[tuple[int, Part]] = []
         for sub, part in subs:
@@ -447,6 +454,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 disk, picked = split.from_device
                 rows = self._handler.snapshot(device_ids[[part.positions[i] for i in picked]])
                 writes.append((DiskWrite(disk, staged=rows), picked))
+            if split.demotion is not None:  # (none of the store's blocks: its own kind)
+                writes.append((split.demotion, []))
             if split.copy is not None:
                 out.append((sub, dataclasses.replace(part, spec=split.copy)))
             # admitted as one part: the writes' bytes count too (in its place, with no copy)
@@ -469,9 +478,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         stored, reported (the scheduler frees their slots and counts them), never an
         error. A tier whose queue is empty takes any job: it is not behind."""
         admitted = []
-        # a local part with a disk part takes up to two writes (`_split_writes`): with the
-        # writer's queue near full (a disk that stalls), it is shed like one past the bound
-        writes_full = self._handler is not None and self.workers[LOCAL].writes_room() < 2
+        # a local part with a disk part or a demotion takes up to three writes
+        # (`_split_writes`): with the writer's queue near full (a disk that stalls), it is
+        # shed like one past the bound (its demotion with it: those blocks are lost)
+        writes_full = self._handler is not None and self.workers[LOCAL].writes_room() < 3
         with self._lock:
             for part in parts:
                 nbytes = len(part.positions) * self._block_bytes
@@ -480,6 +490,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 if behind or (queued and queued + nbytes > self._store_cap[part.tier]):
                     self._report.shed_stores.setdefault(part.tier, []).extend(part.block_hashes)
                     self._forget_slots(part)
+                    demotion = getattr(part.spec, "demotion", None)
+                    if demotion is not None:  # never written: the scheduler forgets them
+                        self._report.lost_demotions.extend(demotion.block_hashes)
                     continue
                 self._store_queued[part.tier] = queued + nbytes
                 admitted.append(part)
@@ -629,6 +642,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 job.ok = False
                 self._report.failed_loads.append(part.block_hashes)
                 self._load_errors.update(int(i) for i in job.device_ids[part.positions])
+            elif not ok and isinstance(part.spec, DiskWrite) and part.spec.demotion is not None:
+                # a demotion's write refused unrun (its blocks are not the job's): lost
+                self._report.lost_demotions.extend(part.spec.demotion.block_hashes)
             elif not ok:  # a store, or a promotion (its load went fine: not a failed load)
                 job.ok = job.ok and job.is_load
                 self._report.failed_stores.setdefault(part.tier, []).extend(part.block_hashes)
