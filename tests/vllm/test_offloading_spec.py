@@ -451,8 +451,9 @@ def test_a_demotion_to_a_disk_that_hangs_holds_back_no_flush(
     engines: list[Engine], tmp_path: Path
 ) -> None:
     """`disk_writes: demote` with a full CPU tier: every store evicts, and its demotion
-    is its only disk write. vLLM's flush waits for the store's copy alone; the job
-    completes once the demotion is on disk, and the demoted blocks are there."""
+    is its only disk write. vLLM's flush waits for the store's copy alone, and its
+    blocks are read from the CPU tier from then on; the job completes once the
+    demotion is on disk, and the demoted blocks are there."""
     engine, hung = hung_disk(engines, tmp_path, cpu_blocks=2, disk_blocks=64, disk_writes="demote")
     try:
         first, second = keys_of(2, start=40), keys_of(2, start=42)
@@ -468,6 +469,8 @@ def test_a_demotion_to_a_disk_that_hangs_holds_back_no_flush(
         engine.worker.wait({95})  # the flush: the copy; the demotion hangs
         assert not hung.is_set(), "the flush waited for the disk"
         assert engine.worker.get_finished() == []  # the job waits for its demotion
+        engine.manager.apply_worker_report(engine.worker.take_report())  # its copy is done
+        assert engine.hits(second) == 2  # so the CPU tier serves its blocks meanwhile
         hung.set()
         watchdog.cancel()
         engine.worker.wait_finished({95})

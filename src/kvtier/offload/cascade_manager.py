@@ -361,11 +361,12 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
                 self._groups[block_hash] = group
 
     def complete_copy(self, block_hashes: Iterable[BlockHash]) -> None:
-        """The CPU copy of these blocks, stored to both tiers, is done while their disk
-        write goes on (a data plane that writes the disk apart from the copy): they are
-        readable from the CPU tier now, and pinned there until the store completes (the
-        write reads their slots). Their disk copies stay in flight. Hashes not in that
-        state (settled, or of another store) are ignored.
+        """The CPU copy of these blocks is done while their store's disk writes go on (a
+        data plane that writes the disk apart from the copy: the blocks' write-through,
+        or the demotion of the blocks they evicted): they are readable from the CPU tier
+        now, and pinned there until the store completes (a write-through reads their
+        slots). Their disk copies stay in flight. Hashes not being stored to the CPU tier
+        (settled already, or a promotion's) are ignored.
 
         Why: a slow disk would otherwise keep blocks the CPU tier holds unreadable for as
         long as the disk's queue of writes, and a prompt that returns meanwhile would be
@@ -374,7 +375,7 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
         ready = []
         for block_hash in unique_hashes(block_hash_list("complete_copy", block_hashes)):
             block = core.get_block(block_hash)
-            if block is not None and block.ref_cnt < 0 and block_hash in self._disk_stores:
+            if block is not None and block.ref_cnt < 0 and block_hash not in self._promoting:
                 ready.append(block_hash)
         if not ready:
             return

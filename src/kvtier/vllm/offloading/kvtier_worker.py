@@ -169,6 +169,13 @@ def _writes_disk(part: Part) -> bool:
     )
 
 
+def _writes_after(spec: object) -> list[DiskWrite]:
+    """The disk writes cut away from a store's copy (`_split_writes`) that wait for it."""
+    if not isinstance(spec, CopyThenWrite):
+        return []
+    return [w for w in (spec.then, spec.demotion_write) if w is not None]
+
+
 def _medium_of(part: Part) -> str:
     """The tier a part's transfer is timed under: a cascade job that touches the disk
     (a read, a write-through, a demotion) is the disk's, its time being the disk's."""
@@ -619,12 +626,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
             self._staged.discard(sub)
-            if isinstance(part.spec, CopyThenWrite) and part.spec.then is not None:
-                if not ok:  # (a copy refused unrun): its write fails
-                    part.spec.then.copy.settle(False)
-                elif job.waiting:  # its write goes on: the CPU tier can serve the blocks
-                    in_cpu = [part.block_hashes[i] for i in part.spec.cpu_positions]
-                    self._report.copied.extend((job.epoch, h) for h in in_cpu)
+            writes = _writes_after(part.spec)
+            if writes and not ok:  # (a copy refused unrun): its writes fail
+                for write in writes:
+                    write.copy.settle(False)
+            elif writes and job.waiting:  # its writes go on: the CPU tier serves the blocks
+                assert isinstance(part.spec, CopyThenWrite)  # (what `writes` came from)
+                in_cpu = [part.block_hashes[i] for i in part.spec.cpu_positions]
+                self._report.copied.extend((job.epoch, h) for h in in_cpu)
             if not job.is_load and self.report_failures:  # its room in the queue is free
                 self._dequeue(part)
             job.bytes += nbytes
