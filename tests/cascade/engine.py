@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,10 @@ class Engine:
         self.split_writes = split_writes
         self._writes: dict[int, int] = {}  # a split store's write job -> the store's job
         self._writes_only: set[int] = set()  # split stores with no copy left to run
+        self._detached: list[int] = []  # loads' demotion writes, no job's
+        self._next_detached = 0
+        if split_writes:
+            self.handler.detach_write = self._detach
 
     def store(self, hashes: list[BlockHash], device_ids: list[int]) -> list[BlockHash]:
         """prepare_store + submit; returns the hashes being stored."""
@@ -78,6 +83,13 @@ class Engine:
         self.load_targets[self._next_job] = targets
         self._submit("load", hashes, targets, spec)
         return targets
+
+    def _detach(self, write: DiskWrite) -> None:
+        """A load's staged demotion, written apart (as kvtier's vLLM worker does)."""
+        write_id = -(10**9) - self._next_detached
+        self._next_detached += 1
+        self._detached.append(write_id)
+        self.worker.submit_write(write_id, write)
 
     def _fresh(self) -> int:
         target = self._next_target
@@ -110,6 +122,10 @@ class Engine:
         elif kind == "store":
             self.worker.submit_store(job, ids, spec)  # type: ignore[arg-type]
         else:
+            demotion = getattr(spec, "demotion", None)
+            if self.split_writes and demotion is not None:
+                spec = copy.copy(spec)
+                spec.demotion_write = DiskWrite(demotion.dst, demotion=demotion)  # type: ignore[attr-defined]
             self.worker.submit_load(job, spec, ids)  # type: ignore[arg-type]
 
     def results(self, job_ids: list[int]) -> dict[int, bool]:
@@ -118,6 +134,9 @@ class Engine:
         self.worker.wait([*(j for j in job_ids if j not in self._writes_only), *writes])
         results: dict[int, bool] = {}
         for job_id, ok, _, _ in self.worker.get_finished():
+            if job_id in self._detached:  # a load's demotion, no job's: done on its own
+                self._detached.remove(job_id)
+                continue
             job_id = self._writes.pop(job_id, job_id)
             results[job_id] = results.get(job_id, True) and ok
         self._writes_only.difference_update(results)

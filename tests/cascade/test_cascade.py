@@ -311,3 +311,37 @@ def test_a_split_demotion_holds_back_no_copy_and_no_load_reads_a_reused_slot(
     finally:
         gate.set()
         engine.close()
+
+
+def test_a_load_whose_promotion_demotes_waits_for_no_disk_write(tmp_path: Path) -> None:
+    """A disk hit is promoted into the CPU tier; with `disk_writes: demote` and the CPU
+    tier full, the promotion's room is made by a demotion, which ran in the load: the
+    request waited for a disk write. Staged and written apart (as kvtier's vLLM worker
+    runs it), the load is done while the write hangs; the demoted block, meanwhile,
+    fails its load (recomputed), and once written it loads its bytes from disk."""
+    engine = Engine(PER_LAYER, tmp_path, cpu_blocks=2, disk_writes="demote", split_writes=True)
+    gate = threading.Event()
+    try:
+        engine.store(hs(1, 2), [1, 2])
+        assert engine.finish() == {"ok": 1, "failed": 0}
+        engine.store(hs(3, 4), [3, 4])  # 1 and 2 demoted to disk
+        assert engine.finish() == {"ok": 1, "failed": 0}
+        engine.disk_store.io_hook = lambda kind: gate.wait() if kind == "write" else None
+        (target,) = engine.load(hs(1))  # from disk, promoted: 3 (the least recent) demoted
+        assert engine.worker.wait([max(engine._jobs)], timeout=60)  # not the disk's write
+        assert block_bytes(engine.kv, target) == engine.expected[hs(1)[0]]
+        assert engine.results([max(engine._jobs)]) == {max(engine._jobs): True}
+        engine.cascade.complete_load(hs(1))
+        engine._jobs.pop(max(engine._jobs))
+        assert engine.cascade.lookup(hs(3)) == 1  # on disk (cascade), its write hanging
+        engine.load(hs(3))
+        assert engine.worker.wait([max(engine._jobs)], timeout=60)
+        gate.set()
+        assert engine.finish() == {"ok": 0, "failed": 1}
+        engine.worker.wait(engine._detached)  # the demotion's write, done on its own
+        (target,) = engine.load(hs(3))
+        assert engine.finish() == {"ok": 1, "failed": 0}
+        assert block_bytes(engine.kv, target) == engine.expected[hs(3)[0]]
+    finally:
+        gate.set()
+        engine.close()

@@ -485,6 +485,39 @@ def test_a_demotion_to_a_disk_that_hangs_holds_back_no_flush(
         hung.set()
 
 
+def test_a_load_whose_promotion_demotes_to_a_disk_that_hangs_is_done_at_once(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """A disk hit is promoted into a full CPU tier (`disk_writes: demote`): the block it
+    evicts is demoted, and the request used to wait for that disk write with its load.
+    The load is done while the write hangs; the demoted block fails its load meanwhile
+    (recomputed), and loads from disk once written."""
+    engine, hung = hung_disk(engines, tmp_path, cpu_blocks=2, disk_blocks=64, disk_writes="demote")
+    hung.set()  # the disk answers, for now
+    try:
+        first, second = keys_of(2, start=50), keys_of(2, start=52)
+        data = engine.compute([0, 1, 2, 3], seed=16)
+        engine.store(first, [0, 1])
+        engine.store(second, [2, 3])  # first demoted to disk
+        hung.clear()
+        watchdog = threading.Timer(120, hung.set)  # (a load that waited would hang)
+        watchdog.start()
+        errors, report = engine.load(first[:1], [10])  # promoted: second[0] demoted
+        assert not hung.is_set(), "the load waited for the disk"
+        assert not errors and not report.failed_loads
+        assert engine.block_bytes(10) == data[0]
+        errors, _ = engine.load(second[:1], [11])  # its write hangs: recomputed
+        assert errors == {11}
+        hung.set()
+        watchdog.cancel()
+        assert engine.worker.flush_to_disk() >= 0  # (waits for every write)
+        errors, report = engine.load(second[:1], [12])
+        assert not errors and not report.failed_loads
+        assert engine.block_bytes(12) == data[2]
+    finally:  # a failure above must not leave the disk hung for the teardown
+        hung.set()
+
+
 def test_a_shutdown_goes_on_without_the_writes_of_a_disk_that_hangs(
     engines: list[Engine], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

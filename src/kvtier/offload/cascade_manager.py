@@ -104,6 +104,9 @@ class CascadeLoadSpec(LoadStoreSpec):
     # a `kv_store.LoadGuard` the worker sets on its own copy where the load has a
     # deadline (a stalled disk): once given up, nothing of it reaches the engine
     guard: Any = None
+    # the worker's, on its own copy: `demotion` written apart from the load (a
+    # `cascade_handler.DiskWrite`), so the request does not wait for the disk
+    demotion_write: Any = None
 
     @staticmethod
     def medium() -> str:

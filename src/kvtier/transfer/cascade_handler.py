@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,6 +201,9 @@ class CascadeHandler:
         # blocks of store demotions copied out of their CPU slots, not yet on disk (by
         # how many such demotions hold them): a load of one meanwhile fails (`_load_disk`)
         self._staged_demotions: dict[BlockHash, int] = {}
+        # where a load's staged demotion goes to be written (the worker submits it to the
+        # writer thread, apart from any job): None, and a load's demotion runs in it
+        self.detach_write: Callable[[DiskWrite], None] | None = None
         self._lock = threading.Lock()
         # Demotions that never reached the disk, and their blocks, since creation: the
         # job goes on, so only these say that the disk tier's store failed.
@@ -307,7 +311,14 @@ class CascadeHandler:
     ) -> int:
         if not isinstance(spec, CascadeLoadSpec):
             raise TypeError(f"cascade load job needs a CascadeLoadSpec, got {spec!r}")
-        self._demote(spec.demotion)
+        write: DiskWrite | None = spec.demotion_write
+        if write is not None and self.detach_write is not None:
+            # the promotion's room: its blocks copied out of their slots, written apart
+            # (the request waits for its load, not for the disk)
+            if self._stage_demotion(write):
+                self.detach_write(write)
+        else:
+            self._demote(spec.demotion)
         # a load with a deadline (`spec.guard`): every copy into the engine's blocks, and
         # the promotion out of them, runs under the guard, so a load given up while a
         # disk read hangs leaves the blocks (being recomputed) and the CPU slots alone
@@ -335,15 +346,12 @@ class CascadeHandler:
         if not isinstance(spec.disk, DiskLoadStoreSpec):
             raise TypeError(f"cascade disk part needs a DiskLoadStoreSpec, got {spec.disk!r}")
         hashes, positions = spec.disk.block_hashes, spec.disk_positions
-        if spec.demoting:
-            # copied out of a slot its store's copy has overwritten, and not on disk yet
-            # (`_stage_demotion`): asked before the disk, which has them once they are not
+        if self._staged_demotions:
+            # copied out of a slot a later job has overwritten, and not on disk yet
+            # (`_stage_demotion`; a load's demotion outlives its job): asked before the
+            # disk, which has them once they are not
             with self._lock:
-                staged = [
-                    hashes[i].hex()
-                    for i, p in enumerate(positions)
-                    if p in spec.demoting and hashes[i] in self._staged_demotions
-                ]
+                staged = [h.hex() for h in hashes if h in self._staged_demotions]
             if staged:
                 raise BlockLoadError(f"{staged} are being demoted: their slots are reused")
         from_slot = [
@@ -400,10 +408,11 @@ class CascadeHandler:
             for slot in demotion.src.block_ids.tolist():
                 self._failed_demotions.pop(slot, None)
 
-    def _stage_demotion(self, write: DiskWrite) -> None:
-        """A store's demotion whose write runs apart (`_split_demotion`): the evicted
-        blocks copied out of their CPU slots now, in the store's job, before its copy
-        overwrites them; the write takes them to disk (`_write_demotion`)."""
+    def _stage_demotion(self, write: DiskWrite) -> bool:
+        """A demotion whose write runs apart (a store's, `_split_demotion`; a load's
+        promotion's, `detach_write`): the evicted blocks copied out of their CPU slots
+        now, in the job, before it overwrites them; the write takes them to disk
+        (`_write_demotion`). Whether they were (a failure is recorded here)."""
         demotion = write.demotion
         assert demotion is not None
         try:
@@ -413,12 +422,29 @@ class CascadeHandler:
         except Exception as exc:  # not this job's blocks: record, and go on
             write.staging_failed = True
             self._demotion_failed(demotion, exc)
-            return
+            return False
         with self._lock:
             for block_hash in demotion.block_hashes:
                 self._staged_demotions[block_hash] = self._staged_demotions.get(block_hash, 0) + 1
         write.rows = rows
-        write.copy.settle(True)  # the write may go (the copy goes on)
+        write.copy.settle(True)  # the write may go (the job goes on)
+        return True
+
+    def drop_demotion(self, write: DiskWrite) -> None:
+        """A staged demotion whose write never ran (refused by a full writer queue): a
+        failed demotion, its blocks no longer staged."""
+        assert write.demotion is not None
+        if write.rows is not None:
+            write.rows = None
+            self._demotion_failed(write.demotion, RuntimeError("its write was refused"))
+            self._unstage(write.demotion)
+
+    def _unstage(self, demotion: Demotion) -> None:
+        with self._lock:
+            for block_hash in demotion.block_hashes:
+                left = self._staged_demotions.pop(block_hash, 1) - 1
+                if left:
+                    self._staged_demotions[block_hash] = left
 
     def _write_demotion(self, write: DiskWrite, demotion: Demotion) -> int:
         """The disk write of a staged demotion: never a failure of its job (the blocks
@@ -440,9 +466,5 @@ class CascadeHandler:
         else:
             self._demotion_done(demotion)
         finally:
-            with self._lock:
-                for block_hash in demotion.block_hashes:
-                    left = self._staged_demotions.pop(block_hash, 1) - 1
-                    if left:
-                        self._staged_demotions[block_hash] = left
+            self._unstage(demotion)
         return len(rows) * self.kv.layout.bytes_per_block

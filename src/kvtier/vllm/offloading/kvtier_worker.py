@@ -169,6 +169,15 @@ def _writes_disk(part: Part) -> bool:
     )
 
 
+def _detach_demotion(part: Part) -> Part:
+    """A load part whose promotion demotes (`disk_writes: demote`, a full CPU tier),
+    with that demotion's write to be cut away from it (`CascadeHandler.detach_write`)."""
+    spec = part.spec
+    if not isinstance(spec, CascadeLoadSpec) or spec.demotion is None:
+        return part
+    return _own(part, demotion_write=DiskWrite(spec.demotion.dst, demotion=spec.demotion))
+
+
 def _writes_after(spec: object) -> list[DiskWrite]:
     """The disk writes cut away from a store's copy (`_split_writes`) that wait for it."""
     if not isinstance(spec, CopyThenWrite):
@@ -341,6 +350,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._staged: set[int] = set()
         # set at a reset: the disk writes of the epoch before it that are still queued
         self._writes_void = threading.Event()
+        # the writes of loads' demotions (no job's: a request waits for its load only)
+        self._detached: dict[int, DiskWrite] = {}
+        if self._handler is not None and report_failures:
+            self._handler.detach_write = self._submit_detached
         # a store's blocks a full CPU tier sends straight to disk are copied into host
         # rows at submission and written apart, on a CPU device (see `snapshot`)
         self._snapshots = self._handler is not None and self.kv.device.type == "cpu"
@@ -383,6 +396,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._writes_void.set()
             self._writes_void = threading.Event()
             self._wait(set(self._jobs), lambda tier, sub: tier == LOCAL and sub in self._staged)
+            if detached := self._detached_subs():
+                self.workers[LOCAL].wait(detached)
         self._note_slots(spec.epoch, spec.parts if promotion is None else [*spec.parts, promotion])
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
@@ -399,6 +414,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 else part
                 for part in parts
             ]
+        if is_load and self._handler is not None and self.report_failures:
+            parts = [_detach_demotion(part) for part in parts]
         # (vLLM's own connector has no way to hear of a shed store: it sheds none)
         if not is_load and self.report_failures:
             parts = self._admit_stores(parts)
@@ -479,6 +496,21 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 if self.report_failures:
                     self._store_queued[LOCAL] += queued * self._block_bytes
         return out
+
+    def _submit_detached(self, write: DiskWrite) -> None:
+        """A load's demotion, staged by its job (on the cascade's thread): its write goes
+        to the writer thread, no job's part, so the request's load is done without it.
+        Loads of its blocks fail until it is (`CascadeHandler._load_disk`); a reset and
+        the shutdown wait for it like any write."""
+        write.void = self._writes_void
+        with self._lock:
+            sub = next(self._sub_ids)
+            self._detached[sub] = write
+        self.workers[LOCAL].submit_write(sub, write)
+
+    def _detached_subs(self) -> list[int]:
+        with self._lock:
+            return list(self._detached)
 
     def _admit_stores(self, parts: list[Part]) -> list[Part]:
         """The store parts their tiers' queues have room for; the others are shed: not
@@ -621,8 +653,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
         promote: tuple[int, Part, npt.NDArray[np.int64]] | None = None
         with self._lock:
             job_id = self._owner.pop((tier, sub), None)
-            if job_id is None:
-                return  # a discard job
+            if job_id is None:  # a discard job, or a load's demotion written apart
+                detached = self._detached.pop(sub, None) if tier == LOCAL else None
+                if detached is not None and not ok and self._handler is not None:
+                    self._handler.drop_demotion(detached)  # refused: never written
+                return
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
             self._staged.discard(sub)
@@ -724,7 +759,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
             return 0
         # the disk writes too (a block written twice at once would share a temp file)
         every_write = lambda tier, sub: tier == LOCAL or sub not in self._staged  # noqa: E731
-        if not self._wait(set(self._jobs), every_write, timeout=self.shutdown_wait_s):
+        done = self._wait(set(self._jobs), every_write, timeout=self.shutdown_wait_s)
+        if done and (detached := self._detached_subs()):
+            done = self.workers[LOCAL].wait(detached, timeout=self.shutdown_wait_s)
+        if not done:
             log.warning(
                 "kvtier: disk writes still in flight after %.0f s at shutdown (a disk that "
                 "hangs): the CPU tier is not flushed; a restart finds what reached the disk",
