@@ -87,11 +87,12 @@ class DiskWrite(LoadStoreSpec):
     # set once the write is void (its store's reset epoch is over): not written, and not
     # failed, when the writer comes to it
     void: threading.Event | None = field(default=None, compare=False, repr=False)
-    # a store's demotion (`split_disk_part`), written from `rows`: the evicted blocks
-    # copied out of their CPU slots by the store's job, before its copy overwrote them
+    # a demotion written apart (a store's, `split_disk_part`; a load's promotion's,
+    # `CascadeHandler.detach_write`), from `rows`: the evicted blocks copied out of
+    # their CPU slots by the job, before it overwrote them
     demotion: Demotion | None = None
     rows: list[bytes] | None = field(default=None, compare=False, repr=False)
-    staging_failed: bool = False  # (recorded as a failed demotion by the store's job)
+    staging_failed: bool = False  # (recorded as a failed demotion by the job)
 
     @staticmethod
     def medium() -> str:
@@ -198,8 +199,8 @@ class CascadeHandler:
         # Keyed by slot, so it holds at most one entry per slot: a load naming (slot,
         # block) runs before any later demotion from that slot (see `_load_disk`).
         self._failed_demotions: dict[int, BlockHash] = {}
-        # blocks of store demotions copied out of their CPU slots, not yet on disk (by
-        # how many such demotions hold them): a load of one meanwhile fails (`_load_disk`)
+        # blocks of demotions copied out of their CPU slots, not yet on disk (by how
+        # many such demotions hold them): a load of one meanwhile fails (`_load_disk`)
         self._staged_demotions: dict[BlockHash, int] = {}
         # where a load's staged demotion goes to be written (the worker submits it to the
         # writer thread, apart from any job): None, and a load's demotion runs in it
