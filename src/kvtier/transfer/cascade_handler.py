@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,7 +202,7 @@ class CascadeHandler:
         self._failed_demotions: dict[int, BlockHash] = {}
         # blocks of demotions copied out of their CPU slots, not yet on disk (by how
         # many such demotions hold them): a load of one meanwhile fails (`_load_disk`)
-        self._staged_demotions: dict[BlockHash, int] = {}
+        self._staged_demotions: Counter[BlockHash] = Counter()
         # where a load's staged demotion goes to be written (the worker submits it to the
         # writer thread, apart from any job): None, and a load's demotion runs in it
         self.detach_write: Callable[[DiskWrite], None] | None = None
@@ -425,8 +426,7 @@ class CascadeHandler:
             self._demotion_failed(demotion, exc)
             return False
         with self._lock:
-            for block_hash in demotion.block_hashes:
-                self._staged_demotions[block_hash] = self._staged_demotions.get(block_hash, 0) + 1
+            self._staged_demotions.update(demotion.block_hashes)
         write.rows = rows
         write.copy.settle(True)  # the write may go (the job goes on)
         return True
@@ -441,11 +441,8 @@ class CascadeHandler:
             self._unstage(write.demotion)
 
     def _unstage(self, demotion: Demotion) -> None:
-        with self._lock:
-            for block_hash in demotion.block_hashes:
-                left = self._staged_demotions.pop(block_hash, 1) - 1
-                if left:
-                    self._staged_demotions[block_hash] = left
+        with self._lock:  # (a Counter's -= keeps only the counts still above 0)
+            self._staged_demotions -= Counter(demotion.block_hashes)
 
     def _write_demotion(self, write: DiskWrite, demotion: Demotion) -> int:
         """The disk write of a staged demotion: never a failure of its job (the blocks

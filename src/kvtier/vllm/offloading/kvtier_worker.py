@@ -350,9 +350,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._staged: set[int] = set()
         # set at a reset: the disk writes of the epoch before it that are still queued
         self._writes_void = threading.Event()
+        # the local tier's disk writes run apart from its copies and loads (under
+        # KvtierConnector only: see `_split_writes`)
+        self._writes_apart = self._handler is not None and report_failures
         # the writes of loads' demotions (no job's: a request waits for its load only)
         self._detached: dict[int, DiskWrite] = {}
-        if self._handler is not None and report_failures:
+        if self._handler is not None and self._writes_apart:
             self._handler.detach_write = self._submit_detached
         # a store's blocks a full CPU tier sends straight to disk are copied into host
         # rows at submission and written apart, on a CPU device (see `snapshot`)
@@ -395,9 +398,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             # progress, not for a slow disk's whole queue)
             self._writes_void.set()
             self._writes_void = threading.Event()
-            self._wait(set(self._jobs), lambda tier, sub: tier == LOCAL and sub in self._staged)
-            if detached := self._detached_subs():
-                self.workers[LOCAL].wait(detached)
+            self._wait_writes(lambda tier, sub: tier == LOCAL and sub in self._staged)
         self._note_slots(spec.epoch, spec.parts if promotion is None else [*spec.parts, promotion])
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
@@ -414,7 +415,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 else part
                 for part in parts
             ]
-        if is_load and self._handler is not None and self.report_failures:
+        if is_load and self._writes_apart:
             parts = [_detach_demotion(part) for part in parts]
         # (vLLM's own connector has no way to hear of a shed store: it sheds none)
         if not is_load and self.report_failures:
@@ -459,7 +460,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         of their slots, and a write takes them to disk (`cascade_handler._split_demotion`).
         Under vLLM's own connector nothing is cut: it sheds no store, and a write refused
         by a full writer queue would fail a job it asserts succeeds."""
-        if self._handler is None or not self.report_failures:
+        if self._handler is None or not self._writes_apart:
             return subs
         out: list[tuple[int, Part]] = []
         for sub, part in subs:
@@ -508,9 +509,16 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._detached[sub] = write
         self.workers[LOCAL].submit_write(sub, write)
 
-    def _detached_subs(self) -> list[int]:
+    def _wait_writes(
+        self, waits_for: Callable[[str, int], bool], timeout: float | None = None
+    ) -> bool:
+        """`_wait` over every job, then for the loads' demotion writes (no job's); False
+        if either took past `timeout` seconds."""
+        if not self._wait(set(self._jobs), waits_for, timeout):
+            return False
         with self._lock:
-            return list(self._detached)
+            detached = list(self._detached)
+        return not detached or self.workers[LOCAL].wait(detached, timeout=timeout)
 
     def _admit_stores(self, parts: list[Part]) -> list[Part]:
         """The store parts their tiers' queues have room for; the others are shed: not
@@ -759,10 +767,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             return 0
         # the disk writes too (a block written twice at once would share a temp file)
         every_write = lambda tier, sub: tier == LOCAL or sub not in self._staged  # noqa: E731
-        done = self._wait(set(self._jobs), every_write, timeout=self.shutdown_wait_s)
-        if done and (detached := self._detached_subs()):
-            done = self.workers[LOCAL].wait(detached, timeout=self.shutdown_wait_s)
-        if not done:
+        if not self._wait_writes(every_write, timeout=self.shutdown_wait_s):
             log.warning(
                 "kvtier: disk writes still in flight after %.0f s at shutdown (a disk that "
                 "hangs): the CPU tier is not flushed; a restart finds what reached the disk",
