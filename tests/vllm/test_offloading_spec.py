@@ -141,9 +141,10 @@ def hung_disk(
     cpu_blocks: int,
     disk_blocks: int,
     disk_writes: str = "write_through",
+    **extra: Any,
 ) -> tuple[Engine, threading.Event]:
     """An engine whose disk tier's writes wait for the event returned: set it in a
-    `finally` (the worker's shutdown waits for the writes)."""
+    `finally` (the worker's shutdown waits for the writes). `extra`: more config keys."""
     engine = Engine(
         {
             "cpu_bytes_to_use": cpu_blocks * BLOCK_BYTES,
@@ -151,6 +152,7 @@ def hung_disk(
             "disk_bytes_to_use": disk_blocks * (BLOCK_BYTES + 128),
             "disk_writes": disk_writes,
         }
+        | extra
     )
     engines.append(engine)
     assert engine.worker.disk is not None

@@ -11,14 +11,14 @@ import pytest
 
 from kvtier.remote.shaping_proxy import ShapingProxy
 from tests.remote.conftest import serve_redis
-from tests.vllm.test_offloading_spec import BLOCK_BYTES, Engine, engines, keys_of
+from tests.vllm.test_offloading_spec import BLOCK_BYTES, Engine, engines, hung_disk, keys_of
 
 with_engines = engines  # the fixture, under this module's name too
 
-from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult  # noqa: E402
 
 from kvtier.offload.tier_metrics import METRICS  # noqa: E402
-from kvtier.vllm.offloading.job_specs import REMOTE  # noqa: E402
+from kvtier.vllm.offloading.job_specs import LOCAL, REMOTE  # noqa: E402
 from kvtier.vllm.offloading.offloading_spec import KvtierOffloadingSpec  # noqa: E402
 from tests.vllm.test_offloading_spec import spec_config  # noqa: E402
 
@@ -173,3 +173,103 @@ def test_under_vllms_own_connector_nothing_is_shed(engines: list[Engine], tmp_pa
             assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
     finally:
         next(servers, None)
+
+
+def staged_blocks(engine: Engine) -> int:
+    """Blocks the worker holds in host rows for demotions not yet on disk."""
+    handler = engine.worker._handler
+    assert handler is not None
+    return sum(handler._staged_demotions.values())
+
+
+def test_a_stores_demotion_counts_in_the_disk_queue(engines: list[Engine], tmp_path: Path) -> None:
+    """`disk_writes: demote`, the CPU tier full, the disk hung: a store's demotion is
+    copied out of its CPU slots into host rows and written apart. Those rows count in
+    the local store queue (`disk_store_queue_bytes`), so once a demotion waits there a
+    store that would take the queue past its bound is shed, its demotion with it, rather
+    than staged in host memory without end (before, a demotion counted nothing)."""
+    engine, hung = hung_disk(
+        engines,
+        tmp_path,
+        cpu_blocks=4,
+        disk_blocks=64,
+        disk_writes="demote",
+        disk_store_queue_bytes=4 * BLOCK_BYTES,
+    )
+    hung.set()
+    try:
+        groups = [keys_of(2, start=750 + 2 * i) for i in range(4)]
+        engine.compute(list(range(8)), seed=8)
+        engine.store(groups[0], [0, 1])
+        engine.store(groups[1], [2, 3])  # the CPU tier is full
+        hung.clear()
+        watchdog = threading.Timer(120, hung.set)  # (a flush that waited would hang)
+        watchdog.start()
+        submit_store(engine, 10, groups[2], [4, 5])  # evicts groups[0]: demoted, hangs
+        engine.worker.wait({10})  # the flush: the copy is done
+        assert engine.worker.get_finished() == []  # the job waits for its demotion
+        engine.manager.apply_worker_report(engine.worker.take_report())
+        assert staged_blocks(engine) == 2
+        submit_store(engine, 11, groups[3], [6, 7])  # evicts groups[1]: 2 + 2 + 2 > 4
+        engine.worker.wait({11})
+        assert [(r.job_id, r.success) for r in engine.worker.get_finished()] == [(11, True)]
+        report = engine.worker.take_report()
+        assert report.shed_stores == {LOCAL: [k[:-4] for k in groups[3]]}
+        assert report.lost_demotions == [k[:-4] for k in groups[1]]
+        assert staged_blocks(engine) == 2  # the shed store's demotion never staged
+        engine.manager.apply_worker_report(report)
+        engine.manager.complete_store(groups[3], engine.ctx)
+        stats = engine.manager.get_stats().data["data"]
+        assert stats[METRICS["shed_blocks"].name] == {("disk",): 2}
+        hung.set()
+        watchdog.cancel()
+        ok, _ = engine.run(10)
+        assert ok
+        engine.manager.complete_store(groups[2], engine.ctx)
+        assert staged_blocks(engine) == 0
+        assert engine.hits(groups[0]) == 2  # on disk
+        assert engine.hits(groups[1]) == 0  # lost with the shed store: forgotten
+        assert engine.hits(groups[2]) == 2  # in the CPU tier
+    finally:  # a failure above must not leave the disk hung for the teardown
+        hung.set()
+
+
+def test_a_loads_demotion_counts_in_the_disk_queue(engines: list[Engine], tmp_path: Path) -> None:
+    """A disk hit promoted into a full CPU tier demotes a block, written apart so the
+    request waits for its load only. Its host rows count in the local store queue too:
+    with the disk hung and a demotion already waiting, the next promotion's demotion
+    is shed (its block lost from the disk tier, reported), the load itself served."""
+    engine, hung = hung_disk(
+        engines,
+        tmp_path,
+        cpu_blocks=2,
+        disk_blocks=64,
+        disk_writes="demote",
+        disk_store_queue_bytes=BLOCK_BYTES,
+    )
+    hung.set()
+    try:
+        first, second = keys_of(2, start=770), keys_of(2, start=772)
+        data = engine.compute([0, 1, 2, 3], seed=9)
+        engine.store(first, [0, 1])
+        engine.store(second, [2, 3])  # first demoted to disk
+        hung.clear()
+        watchdog = threading.Timer(120, hung.set)  # (a load that waited would hang)
+        watchdog.start()
+        errors, report = engine.load(first[:1], [10])  # promoted: second[0] demoted
+        assert not errors and not report.lost_demotions
+        assert staged_blocks(engine) == 1
+        errors, report = engine.load(first[1:], [11])  # second[1]'s demotion: shed
+        assert not errors and not report.failed_loads
+        assert report.lost_demotions == [second[1][:-4]]  # (the scheduler forgets it)
+        assert [engine.block_bytes(i) for i in (10, 11)] == [data[0], data[1]]
+        assert staged_blocks(engine) == 1  # its rows let go at once
+        hung.set()
+        watchdog.cancel()
+        engine.worker.flush_to_disk()  # (it waits for every disk write first)
+        assert staged_blocks(engine) == 0
+        errors, report = engine.load(second[:1], [12])  # written at last
+        assert not errors and engine.block_bytes(12) == data[2]
+        assert engine.manager.lookup(second[1], engine.ctx) is not LookupResult.HIT
+    finally:
+        hung.set()

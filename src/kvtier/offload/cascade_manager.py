@@ -165,11 +165,12 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
         block = core.get_block(block_hash)
         return block is not None and block.ref_cnt >= 0
 
+    def on_disk(self, block_hash: BlockHash) -> bool:
+        """Whether the disk tier holds the block (ready, pinned or being stored)."""
+        return self._disk_core.get_block(block_hash) is not None
+
     def _present(self, block_hash: BlockHash) -> bool:
-        return (
-            self._cpu_core.get_block(block_hash) is not None
-            or self._disk_core.get_block(block_hash) is not None
-        )
+        return self._cpu_core.get_block(block_hash) is not None or self.on_disk(block_hash)
 
     # --- reading -----------------------------------------------------------
 

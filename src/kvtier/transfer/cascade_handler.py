@@ -393,10 +393,14 @@ class CascadeHandler:
             return
         self._demotion_done(demotion)
 
-    def _demotion_failed(self, demotion: Demotion, exc: BaseException) -> None:
+    def _demotion_failed(
+        self, demotion: Demotion, exc: BaseException, *, quiet: bool = False
+    ) -> None:
         """Record a demotion that never reached the disk: the scheduler forgets its blocks
-        (`take_lost`), and a load still naming their old slots fails (`_load_disk`)."""
-        log.warning("demotion of %d blocks failed: %r", len(demotion.block_hashes), exc)
+        (`take_lost`), and a load still naming their old slots fails (`_load_disk`).
+        `quiet`: a demotion shed by design (counted, as a shed store is, not a fault)."""
+        level = logging.DEBUG if quiet else logging.WARNING
+        log.log(level, "demotion of %d blocks failed: %r", len(demotion.block_hashes), exc)
         with self._lock:
             self._lost.extend(demotion.block_hashes)
             self.failed_demotions += 1
@@ -431,13 +435,14 @@ class CascadeHandler:
         write.copy.settle(True)  # the write may go (the job goes on)
         return True
 
-    def drop_demotion(self, write: DiskWrite) -> None:
-        """A staged demotion whose write never ran (refused by a full writer queue): a
-        failed demotion, its blocks no longer staged."""
+    def drop_demotion(self, write: DiskWrite, *, shed: bool = False) -> None:
+        """A staged demotion whose write never runs (refused by a full writer queue, or
+        `shed` by a full store queue): a failed demotion, its blocks no longer staged."""
         assert write.demotion is not None
         if write.rows is not None:
             write.rows = None
-            self._demotion_failed(write.demotion, RuntimeError("its write was refused"))
+            why = "shed: the disk tier's store queue is full" if shed else "its write was refused"
+            self._demotion_failed(write.demotion, RuntimeError(why), quiet=shed)
             self._unstage(write.demotion)
 
     def _unstage(self, demotion: Demotion) -> None:

@@ -547,6 +547,7 @@ class KvtierOffloadingManager(OffloadingManager):
                     self.tier_stats.add("store_blocks", "redis", len(settled))
             if failed or not success:
                 self.chain.complete_part(name, list(failed) if success else hashes, False)
+        self._forget()  # (demotions the worker lost, pinned until this store completed)
 
     # --- what the worker found -------------------------------------------
 
@@ -635,14 +636,14 @@ class KvtierOffloadingManager(OffloadingManager):
         return self.tier_stats.take()
 
     def _forget(self) -> None:
-        """Drop lost disk blocks; one still pinned by its failed load goes at its completion."""
+        """Drop lost disk blocks. One still pinned goes once its pin is let go, tried again
+        at each completion: by its failed load, or by the store whose job demoted it (a
+        demotion is readable on disk at once, pinned until that job completes, and the
+        worker reports it lost while the job is in flight: a shed store's, a failed write's)."""
         if self._to_forget and isinstance(self.local, CascadeOffloadingManager):
-            self.local.discard_disk_blocks(list(self._to_forget))
-            self._to_forget = {h for h in self._to_forget if h in self._pinned()}
-
-    def _pinned(self) -> set[BlockHash]:
-        loads = self._loads.values()
-        return {h for queued in loads for taken, _, _ in queued for _, part in taken for h in part}
+            local = self.local
+            removed = set(local.discard_disk_blocks(list(self._to_forget)))
+            self._to_forget = {h for h in self._to_forget if h not in removed and local.on_disk(h)}
 
     def _next_discards(self) -> list[BlockHash]:
         carried, self._carried = self._carried, []

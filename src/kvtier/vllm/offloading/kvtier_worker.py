@@ -169,6 +169,14 @@ def _writes_disk(part: Part) -> bool:
     )
 
 
+def _queued_blocks(part: Part) -> int:
+    """The blocks a store part holds in its tier's queue: its own, and those of a
+    demotion it writes (copied out of their CPU slots into host rows when it is written
+    apart: the queue's bound is the bound on that memory too)."""
+    demotion = getattr(part.spec, "demotion", None)
+    return len(part.positions) + (0 if demotion is None else len(demotion.block_hashes))
+
+
 def _detach_demotion(part: Part) -> Part:
     """A load part whose promotion demotes (`disk_writes: demote`, a full CPU tier),
     with that demotion's write to be cut away from it (`CascadeHandler.detach_write`)."""
@@ -481,18 +489,20 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 writes.append((DiskWrite(disk, staged=rows), picked))
             if split.demotion is not None:  # (none of the store's blocks: its own kind)
                 writes.append((split.demotion, []))
+            pieces = [] if split.copy is None else [dataclasses.replace(part, spec=split.copy)]
+            for write, picked in writes:
+                write.void = self._writes_void
+                positions = [part.positions[i] for i in picked]
+                pieces.append(Part(LOCAL, positions, [part.block_hashes[i] for i in picked], write))
             if split.copy is not None:
-                out.append((sub, dataclasses.replace(part, spec=split.copy)))
-            # admitted as one part: the writes' bytes count too (in its place, with no copy)
-            queued = sum(len(picked) for _, picked in writes)
-            queued -= 0 if split.copy is not None else len(part.positions)
+                out.append((sub, pieces[0]))
+            # admitted as one part: each piece leaves the queue when it is done, so the
+            # queue holds what the pieces hold over what the part was admitted with
+            queued = sum(map(_queued_blocks, pieces)) - _queued_blocks(part)
             with self._lock:
-                for write, picked in writes:
-                    write.void = self._writes_void
+                for piece in pieces[1 if split.copy is not None else 0 :]:
                     later = next(self._sub_ids)
-                    positions = [part.positions[i] for i in picked]
-                    hashes = [part.block_hashes[i] for i in picked]
-                    out.append((later, Part(LOCAL, positions, hashes, write)))
+                    out.append((later, piece))
                     self._staged.add(later)
                 if self.report_failures:
                     self._store_queued[LOCAL] += queued * self._block_bytes
@@ -502,11 +512,22 @@ class KvtierOffloadingWorker(OffloadingWorker):
         """A load's demotion, staged by its job (on the cascade's thread): its write goes
         to the writer thread, no job's part, so the request's load is done without it.
         Loads of its blocks fail until it is (`CascadeHandler._load_disk`); a reset and
-        the shutdown wait for it like any write."""
+        the shutdown wait for it like any write. Its host rows count in the local store
+        queue as a store's demotion does: past the queue's bound (a disk that falls
+        behind) it is shed, its blocks lost from the disk tier, as a store would be."""
+        assert write.demotion is not None and self._handler is not None
         write.void = self._writes_void
+        nbytes = len(write.demotion.block_hashes) * self._block_bytes
         with self._lock:
-            sub = next(self._sub_ids)
-            self._detached[sub] = write
+            queued = self._store_queued[LOCAL]
+            shed = bool(queued) and queued + nbytes > self._store_cap[LOCAL]
+            if not shed:
+                self._store_queued[LOCAL] = queued + nbytes
+                sub = next(self._sub_ids)
+                self._detached[sub] = write
+        if shed:
+            self._handler.drop_demotion(write, shed=True)
+            return
         self.workers[LOCAL].submit_write(sub, write)
 
     def _wait_writes(
@@ -531,7 +552,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         writes_full = self._handler is not None and self.workers[LOCAL].writes_room() < 3
         with self._lock:
             for part in parts:
-                nbytes = len(part.positions) * self._block_bytes
+                nbytes = _queued_blocks(part) * self._block_bytes
                 queued = self._store_queued[part.tier]
                 behind = writes_full and part.tier == LOCAL and _writes_disk(part)
                 if behind or (queued and queued + nbytes > self._store_cap[part.tier]):
@@ -663,6 +684,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
             job_id = self._owner.pop((tier, sub), None)
             if job_id is None:  # a discard job, or a load's demotion written apart
                 detached = self._detached.pop(sub, None) if tier == LOCAL else None
+                if detached is not None and detached.demotion is not None:
+                    self._dequeue(LOCAL, len(detached.demotion.block_hashes))
                 if detached is not None and not ok and self._handler is not None:
                     self._handler.drop_demotion(detached)  # refused: never written
                 return
@@ -678,7 +701,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 in_cpu = [part.block_hashes[i] for i in part.spec.cpu_positions]
                 self._report.copied.extend((job.epoch, h) for h in in_cpu)
             if not job.is_load and self.report_failures:  # its room in the queue is free
-                self._dequeue(part)
+                self._dequeue(part.tier, _queued_blocks(part))
             job.bytes += nbytes
             direction = "load" if job.is_load and part is not job.promotion else "store"
             timed = f"{_medium_of(part)}:{direction}"
@@ -705,7 +728,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 for late, late_part in follow:
                     del job.waiting[late], self._owner[REMOTE, late]
                     self._staged.discard(late)
-                    self._dequeue(late_part)
+                    self._dequeue(REMOTE, _queued_blocks(late_part))
                     failed = self._report.failed_stores.setdefault(REMOTE, [])
                     failed.extend(late_part.block_hashes)
                 follow = []
@@ -726,10 +749,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         for late, late_part in follow:  # the CPU slots hold the blocks now (not read there)
             self.workers[REMOTE].submit_store(late, device_ids[late_part.positions], late_part.spec)
 
-    def _dequeue(self, part: Part) -> None:
-        """A store part's room in its tier's queue is free (under the lock)."""
-        queued = self._store_queued[part.tier] - len(part.positions) * self._block_bytes
-        self._store_queued[part.tier] = max(queued, 0)
+    def _dequeue(self, tier: str, blocks: int) -> None:
+        """The room of a store's `blocks` in `tier`'s queue is free (under the lock)."""
+        queued = self._store_queued[tier] - blocks * self._block_bytes
+        self._store_queued[tier] = max(queued, 0)
 
     def _finish(self, job_id: int, job: _Job) -> None:
         del self._jobs[job_id]
