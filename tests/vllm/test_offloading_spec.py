@@ -161,6 +161,24 @@ def hung_disk(
     return engine, hung
 
 
+def first_demoted(
+    engine: Engine, hung: threading.Event, start: int, seed: int
+) -> tuple[list[bytes], list[bytes], dict[int, bytes], threading.Timer]:
+    """A CPU tier of two blocks holding `second`, `first` demoted to disk from it (device
+    blocks 0-3, bytes returned), then the disk's writes hung behind a watchdog that lets
+    them go after 120 s (cancel it once the test sets `hung`): a load that waited for
+    the disk would hang, and the test fail, instead."""
+    first, second = keys_of(2, start=start), keys_of(2, start=start + 2)
+    hung.set()  # the disk answers, for now
+    data = engine.compute([0, 1, 2, 3], seed=seed)
+    engine.store(first, [0, 1])
+    engine.store(second, [2, 3])  # first demoted to disk
+    hung.clear()
+    watchdog = threading.Timer(120, hung.set)
+    watchdog.start()
+    return first, second, data, watchdog
+
+
 def keys_of(n: int, start: int = 0) -> list[bytes]:
     return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + n)]
 
@@ -495,15 +513,8 @@ def test_a_load_whose_promotion_demotes_to_a_disk_that_hangs_is_done_at_once(
     The load is done while the write hangs; the demoted block fails its load meanwhile
     (recomputed), and loads from disk once written."""
     engine, hung = hung_disk(engines, tmp_path, cpu_blocks=2, disk_blocks=64, disk_writes="demote")
-    hung.set()  # the disk answers, for now
     try:
-        first, second = keys_of(2, start=50), keys_of(2, start=52)
-        data = engine.compute([0, 1, 2, 3], seed=16)
-        engine.store(first, [0, 1])
-        engine.store(second, [2, 3])  # first demoted to disk
-        hung.clear()
-        watchdog = threading.Timer(120, hung.set)  # (a load that waited would hang)
-        watchdog.start()
+        first, second, data, watchdog = first_demoted(engine, hung, start=50, seed=16)
         errors, report = engine.load(first[:1], [10])  # promoted: second[0] demoted
         assert not hung.is_set(), "the load waited for the disk"
         assert not errors and not report.failed_loads

@@ -11,7 +11,14 @@ import pytest
 
 from kvtier.remote.shaping_proxy import ShapingProxy
 from tests.remote.conftest import serve_redis
-from tests.vllm.test_offloading_spec import BLOCK_BYTES, Engine, engines, hung_disk, keys_of
+from tests.vllm.test_offloading_spec import (
+    BLOCK_BYTES,
+    Engine,
+    engines,
+    first_demoted,
+    hung_disk,
+    keys_of,
+)
 
 with_engines = engines  # the fixture, under this module's name too
 
@@ -247,15 +254,8 @@ def test_a_loads_demotion_counts_in_the_disk_queue(engines: list[Engine], tmp_pa
         disk_writes="demote",
         disk_store_queue_bytes=BLOCK_BYTES,
     )
-    hung.set()
     try:
-        first, second = keys_of(2, start=770), keys_of(2, start=772)
-        data = engine.compute([0, 1, 2, 3], seed=9)
-        engine.store(first, [0, 1])
-        engine.store(second, [2, 3])  # first demoted to disk
-        hung.clear()
-        watchdog = threading.Timer(120, hung.set)  # (a load that waited would hang)
-        watchdog.start()
+        first, second, data, watchdog = first_demoted(engine, hung, start=770, seed=9)
         errors, report = engine.load(first[:1], [10])  # promoted: second[0] demoted
         assert not errors and not report.lost_demotions
         assert staged_blocks(engine) == 1
