@@ -273,3 +273,28 @@ def test_a_loads_demotion_counts_in_the_disk_queue(engines: list[Engine], tmp_pa
         assert engine.manager.lookup(second[1], engine.ctx) is not LookupResult.HIT
     finally:
         hung.set()
+
+
+def test_a_demotion_whose_write_fails_is_forgotten(engines: list[Engine], tmp_path: Path) -> None:
+    """A store's demotion written apart fails on the disk: the worker reports its blocks
+    lost while the store's job is still in flight, when the scheduler still pins them
+    (a demotion is readable on disk at once). They are forgotten once the store
+    completes; before, the scheduler kept offering them and their load failed."""
+    engine, hung = hung_disk(engines, tmp_path, cpu_blocks=2, disk_blocks=64, disk_writes="demote")
+    try:
+        first, second = keys_of(2, start=790), keys_of(2, start=792)
+        hung.set()
+        engine.compute([0, 1, 2, 3], seed=11)
+        engine.store(first, [0, 1])
+
+        def fail(kind: str) -> None:
+            if kind == "write":
+                raise OSError("injected: the disk refuses the write")
+
+        assert engine.worker.disk is not None
+        engine.worker.disk.io_hook = fail
+        engine.store(second, [2, 3])  # first demoted: its write fails (the store does not)
+        assert engine.hits(second) == 2
+        assert engine.hits(first) == 0  # lost: not offered from a disk that lacks it
+    finally:
+        hung.set()
