@@ -17,6 +17,8 @@ with_engines = engines  # the fixture, under this module's name too
 
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, Medium  # noqa: E402
 
+from kvtier.vllm.offloading.job_specs import LOCAL  # noqa: E402
+
 
 def block_files(path: Path) -> list[Path]:
     return sorted(path.glob("kvtier-*/*.kv"))
@@ -142,6 +144,7 @@ def test_a_reset_waits_for_the_write_in_progress_and_voids_those_not_begun(
 
     assert engine.worker.disk is not None
     engine.worker.disk.io_hook = slow
+    engine.worker.reset_wait_s = 60.0  # the wait, not the fence (the disk hangs 0.2 s)
     try:
         engine.compute([0, 1, 2, 3, 4, 5, 6], seed=6)
         for job, start, ids in ((90, 70, [0, 1]), (92, 72, [2, 3]), (93, 74, [4, 5])):
@@ -199,6 +202,7 @@ def test_a_reset_waits_for_the_disk_writes_of_before_it(
     same hash with other bytes). The disk is held until a timer lets it go, after the
     next job is submitted; a worker that did not wait would run the discards first."""
     engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=8, disk_blocks=64)
+    engine.worker.reset_wait_s = 60.0  # the wait, not the fence (the disk hangs 0.2 s)
     try:
         before = keys_of(2, start=70)
         engine.compute([0, 1], seed=4)
@@ -221,5 +225,62 @@ def test_a_reset_waits_for_the_disk_writes_of_before_it(
         files = {p.stem for p in block_files(tmp_path / "disk")}
         assert not any(key[:-4].hex() in name for key in before for name in files), files
         assert any(after[0][:-4].hex() in name for name in files), files
+    finally:  # a failure above must not leave the disk hung for the teardown
+        hung.set()
+
+
+def test_a_reset_behind_a_disk_that_hangs_goes_on_without_it(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """A disk hangs in the middle of a write of before a reset. The first job after the
+    reset used to wait for that write, and vLLM's step with it, for as long as the disk
+    hung. Past `reset_wait_s` the worker fences the disk off instead: a store that would
+    write it is shed (counted, never failed); once the write ends it deletes what it
+    wrote (a block of before the reset, whose discard came while it was being written),
+    and stores reach the disk again."""
+    engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=16, disk_blocks=64)
+    writing = threading.Event()
+
+    def slow(kind: str) -> None:
+        if kind == "write":
+            writing.set()
+            hung.wait()
+
+    assert engine.worker.disk is not None
+    engine.worker.disk.io_hook = slow
+    engine.worker.reset_wait_s = 0.01
+    try:
+        data = engine.compute([0, 1, 2, 3], seed=7)
+        before, after = keys_of(2, start=84), keys_of(2, start=86)
+        out = engine.manager.prepare_store(before, engine.ctx)
+        assert out is not None
+        engine.worker.submit_store(95, GPULoadStoreSpec([0, 1], [2], [0]), out.store_spec)
+        engine.worker.wait({95})  # vLLM's flush at the reset: the copy only
+        assert writing.wait(60)  # the write has begun, and hangs
+
+        engine.manager.reset_cache()  # job 95 is dropped, never completed here
+
+        out = engine.manager.prepare_store(after, engine.ctx)
+        assert out is not None and out.store_spec.epoch == 1
+        watchdog = threading.Timer(120, hung.set)  # (a job that waited would hang)
+        watchdog.start()
+        engine.worker.submit_store(96, GPULoadStoreSpec([2, 3], [2], [0]), out.store_spec)
+        assert not hung.is_set(), "the first job after the reset waited for the disk"
+        ok, report = engine.run(96)
+        assert ok and report.shed_stores == {LOCAL: [k[:-4] for k in after]}
+        assert not report.failed_stores
+        engine.manager.complete_store(out.keys_to_store, engine.ctx)
+        assert engine.hits(after) == 0  # shed: not kept
+
+        hung.set()
+        watchdog.cancel()
+        engine.worker.wait_finished({95})
+        assert not block_files(tmp_path / "disk")  # the late write deleted its block
+        assert engine.store(after, [2, 3]) == after  # the fence is lifted: stored
+        assert engine.hits(after) == 2
+        files = {p.stem for p in block_files(tmp_path / "disk")}
+        assert {k[:-4].hex() for k in after} <= {name.split(".")[0] for name in files}, files
+        errors, _ = engine.load(after, [10, 11])
+        assert not errors and [engine.block_bytes(i) for i in (10, 11)] == [data[2], data[3]]
     finally:  # a failure above must not leave the disk hung for the teardown
         hung.set()

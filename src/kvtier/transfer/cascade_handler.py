@@ -166,6 +166,15 @@ def split_disk_part(spec: CascadeStoreSpec, device_apart: bool) -> WriteSplit | 
     return WriteSplit(copy, from_slots, from_device)
 
 
+def _written_by(write: DiskWrite) -> list[BlockHash]:
+    """The blocks a disk write writes."""
+    if write.demotion is not None:
+        return list(write.demotion.block_hashes)
+    if not isinstance(write.disk, DiskLoadStoreSpec):
+        raise TypeError(f"a disk write needs a DiskLoadStoreSpec, got {write.disk!r}")
+    return list(write.disk.block_hashes)
+
+
 def _split_demotion(spec: CascadeStoreSpec) -> WriteSplit:
     """A store with a demotion and no disk part of its own (`disk_writes: demote`): its
     copy, after the evicted blocks are copied out of their CPU slots into host rows
@@ -286,6 +295,15 @@ class CascadeHandler:
         submission, or from the CPU slots its store's copy filled."""
         if not isinstance(spec, DiskWrite):
             raise TypeError(f"cascade write job needs a DiskWrite, got {spec!r}")
+        moved = self._write(spec)
+        if moved and spec.void is not None and spec.void.is_set():
+            # a reset came while it ran (a disk slow enough that the worker went on,
+            # `KvtierOffloadingWorker._fence`): what it wrote is of before the reset
+            # (the writer runs one write at a time, so none of after it is there yet)
+            self.disk.discard(_written_by(spec))
+        return moved
+
+    def _write(self, spec: DiskWrite) -> int:
         if spec.demotion is not None:
             return self._write_demotion(spec, spec.demotion)
         if spec.void is not None and spec.void.is_set():
