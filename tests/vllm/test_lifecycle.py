@@ -144,7 +144,6 @@ def test_a_reset_waits_for_the_write_in_progress_and_voids_those_not_begun(
 
     assert engine.worker.disk is not None
     engine.worker.disk.io_hook = slow
-    engine.worker.reset_wait_s = 60.0  # the wait, not the fence (the disk hangs 0.2 s)
     try:
         engine.compute([0, 1, 2, 3, 4, 5, 6], seed=6)
         for job, start, ids in ((90, 70, [0, 1]), (92, 72, [2, 3]), (93, 74, [4, 5])):
@@ -202,7 +201,6 @@ def test_a_reset_waits_for_the_disk_writes_of_before_it(
     same hash with other bytes). The disk is held until a timer lets it go, after the
     next job is submitted; a worker that did not wait would run the discards first."""
     engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=8, disk_blocks=64)
-    engine.worker.reset_wait_s = 60.0  # the wait, not the fence (the disk hangs 0.2 s)
     try:
         before = keys_of(2, start=70)
         engine.compute([0, 1], seed=4)
@@ -234,10 +232,9 @@ def test_a_reset_behind_a_disk_that_hangs_goes_on_without_it(
 ) -> None:
     """A disk hangs in the middle of a write of before a reset. The first job after the
     reset used to wait for that write, and vLLM's step with it, for as long as the disk
-    hung. Past `reset_wait_s` the worker fences the disk off instead: a store that would
-    write it is shed (counted, never failed); once the write ends it deletes what it
-    wrote (a block of before the reset, whose discard came while it was being written),
-    and stores reach the disk again."""
+    hung. Now it goes on: its own write queues behind on the writer thread, and the late
+    write deletes what it wrote once it ends (a block of before the reset, whose discard
+    came while it was being written), before the new block is written."""
     engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=16, disk_blocks=64)
     writing = threading.Event()
 
@@ -248,7 +245,6 @@ def test_a_reset_behind_a_disk_that_hangs_goes_on_without_it(
 
     assert engine.worker.disk is not None
     engine.worker.disk.io_hook = slow
-    engine.worker.reset_wait_s = 0.01
     try:
         data = engine.compute([0, 1, 2, 3], seed=7)
         before, after = keys_of(2, start=84), keys_of(2, start=86)
@@ -265,22 +261,74 @@ def test_a_reset_behind_a_disk_that_hangs_goes_on_without_it(
         watchdog = threading.Timer(120, hung.set)  # (a job that waited would hang)
         watchdog.start()
         engine.worker.submit_store(96, GPULoadStoreSpec([2, 3], [2], [0]), out.store_spec)
+        engine.worker.wait({96})  # vLLM's flush: the copy
         assert not hung.is_set(), "the first job after the reset waited for the disk"
-        ok, report = engine.run(96)
-        assert ok and report.shed_stores == {LOCAL: [k[:-4] for k in after]}
-        assert not report.failed_stores
-        engine.manager.complete_store(out.keys_to_store, engine.ctx)
-        assert engine.hits(after) == 0  # shed: not kept
+        engine.manager.apply_worker_report(engine.worker.take_report())
+        assert engine.hits(after) == 2  # copied: served from the CPU tier meanwhile
+        errors, _ = engine.load(after, [10, 11])
+        assert not errors and [engine.block_bytes(i) for i in (10, 11)] == [data[2], data[3]]
 
         hung.set()
         watchdog.cancel()
-        engine.worker.wait_finished({95})
-        assert not block_files(tmp_path / "disk")  # the late write deleted its block
-        assert engine.store(after, [2, 3]) == after  # the fence is lifted: stored
-        assert engine.hits(after) == 2
-        files = {p.stem for p in block_files(tmp_path / "disk")}
-        assert {k[:-4].hex() for k in after} <= {name.split(".")[0] for name in files}, files
-        errors, _ = engine.load(after, [10, 11])
-        assert not errors and [engine.block_bytes(i) for i in (10, 11)] == [data[2], data[3]]
+        engine.worker.wait_finished({95, 96})
+        assert {r.job_id for r in engine.worker.get_finished()} >= {96}
+        assert not engine.worker.take_report()  # nothing failed, nothing shed
+        engine.manager.complete_store(out.keys_to_store, engine.ctx)
+        files = {p.stem.split(".")[0] for p in block_files(tmp_path / "disk")}
+        assert files == {k[:-4].hex() for k in after}  # the late block deleted itself
     finally:  # a failure above must not leave the disk hung for the teardown
+        hung.set()
+
+
+def test_after_a_reset_a_copy_job_that_writes_the_disk_is_shed_until_the_disk_answers(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """On a GPU the blocks a CPU tier too full to take them sends straight to disk are
+    written in the store's copy job, not on the writer thread (`_writes_disk_in_job`;
+    played here on the CPU device). Beside a write of before a reset that still hangs,
+    such a store could have its block (the same hash, other bytes after a weight
+    update) overwritten by it: it is shed, counted, never failed, until the disk answers;
+    then stores reach the disk again."""
+    engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=2, disk_blocks=64)
+    engine.worker._snapshots = False  # as on a GPU: disk writes from the device in the job
+    writing = threading.Event()
+
+    def slow(kind: str) -> None:
+        if kind == "write":
+            writing.set()
+            hung.wait()
+
+    assert engine.worker.disk is not None
+    engine.worker.disk.io_hook = slow
+    try:
+        data = engine.compute([0, 1, 2, 3, 4, 5], seed=8)
+        before, after = keys_of(2, start=88), keys_of(4, start=90)
+        out = engine.manager.prepare_store(before, engine.ctx)
+        assert out is not None
+        engine.worker.submit_store(97, GPULoadStoreSpec([0, 1], [2], [0]), out.store_spec)
+        engine.worker.wait({97})
+        assert writing.wait(60)  # the write-through from the CPU slots hangs
+
+        engine.manager.reset_cache()
+
+        out = engine.manager.prepare_store(after, engine.ctx)  # 2 to CPU, 2 to disk only
+        assert out is not None and out.store_spec.epoch == 1
+        watchdog = threading.Timer(120, hung.set)  # (a copy job that wrote would hang)
+        watchdog.start()
+        engine.worker.submit_store(98, GPULoadStoreSpec([2, 3, 4, 5], [4], [0]), out.store_spec)
+        ok, report = engine.run(98)
+        assert not hung.is_set(), "the store wrote the disk beside the hung write"
+        assert ok and report.shed_stores == {LOCAL: [k[:-4] for k in after]}
+        engine.manager.complete_store(out.keys_to_store, engine.ctx)
+        assert engine.hits(after) == 0
+
+        hung.set()
+        watchdog.cancel()
+        engine.worker.wait_finished({97})
+        assert engine.store(after, [2, 3, 4, 5]) == after  # the disk answers: stored
+        assert engine.hits(after) == 4
+        errors, _ = engine.load(after, [10, 11, 12, 13])
+        assert not errors
+        assert [engine.block_bytes(i) for i in (10, 11, 12, 13)] == [data[i] for i in (2, 3, 4, 5)]
+    finally:
         hung.set()

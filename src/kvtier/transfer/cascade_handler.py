@@ -297,9 +297,9 @@ class CascadeHandler:
             raise TypeError(f"cascade write job needs a DiskWrite, got {spec!r}")
         moved = self._write(spec)
         if moved and spec.void is not None and spec.void.is_set():
-            # a reset came while it ran (a disk slow enough that the worker went on,
-            # `KvtierOffloadingWorker._fence`): what it wrote is of before the reset
-            # (the writer runs one write at a time, so none of after it is there yet)
+            # a reset came while it ran (the worker does not wait for the disk at a
+            # reset): what it wrote is of before the reset, and goes (the writer runs
+            # one write at a time, so none of after the reset is there yet)
             self.disk.discard(_written_by(spec))
         return moved
 

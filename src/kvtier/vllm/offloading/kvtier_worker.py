@@ -80,10 +80,6 @@ FLUSH_BATCH = 64  # blocks per disk write of the flush at shutdown
 # before it goes on without them: a healthy disk ends a full writer queue (64 jobs) in a
 # second or two; one that hangs would otherwise keep the engine from ever stopping
 SHUTDOWN_WAIT_S = 30.0
-# how long the first job after a reset waits for the disk write of before it in progress
-# (vLLM's step waits with it) before the disk is fenced off instead (`_fence`): a healthy
-# disk ends one write job in well under this; one that hangs would hold the engine
-RESET_WAIT_S = 0.25
 
 
 def _slots_of(part: Part) -> list[tuple[int, BlockHash]]:
@@ -170,6 +166,27 @@ def _writes_disk(part: Part) -> bool:
     spec = part.spec
     return isinstance(spec, CascadeStoreSpec) and (
         spec.disk is not None or spec.demotion is not None
+    )
+
+
+def _writes_disk_in_job(part: Part, device_apart: bool) -> bool:
+    """Whether a store part would write the disk in its copy job rather than on the
+    writer thread (`split_disk_part`: on a GPU, the blocks a CPU tier too full to take
+    them sends straight to disk; a disk part that cannot be cut by block).
+
+    Why it matters after a reset: a disk write of before it may still be in progress
+    (a disk that hangs). Writes on the writer thread run after it, and it deletes what
+    it wrote once it ends (`CascadeHandler.write`), but one in a copy job could run
+    beside it, and a block of the new epoch (the same hash, other bytes after a weight
+    update) be overwritten by it. So until it ends (`_fenced`) such parts are shed."""
+    spec = part.spec
+    if not isinstance(spec, CascadeStoreSpec) or spec.disk is None or not spec.disk_positions:
+        return False  # (a demotion alone is always written apart)
+    split = split_disk_part(spec, device_apart)
+    if split is None:
+        return True
+    return split.copy is not None and (
+        split.copy.disk is not None or split.copy.demotion is not None
     )
 
 
@@ -297,7 +314,6 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.clock: Callable[[], float] = time.perf_counter  # the loads' deadlines
         self.idle: Callable[[float], None] = time.sleep  # an empty step with nothing here
         self.shutdown_wait_s = SHUTDOWN_WAIT_S
-        self.reset_wait_s = RESET_WAIT_S
         self._block_bytes = layout.bytes_per_block
         self.memory = MemoryStore(layout, num_cpu_slots, checksums=config.cpu_checksums)
         self.report_failures = report_failures
@@ -363,7 +379,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._staged: set[int] = set()
         # set at a reset: the disk writes of the epoch before it that are still queued
         self._writes_void = threading.Event()
-        # a disk write of before a reset is still in progress (see `_fence`)
+        # a disk write of before a reset is still in progress (see `_writes_disk_in_job`)
         self._fenced = False
         # the local tier's disk writes run apart from its copies and loads (under
         # KvtierConnector only: see `_split_writes`)
@@ -406,19 +422,20 @@ class KvtierOffloadingWorker(OffloadingWorker):
         device_ids = np.asarray(gpu.block_ids, dtype=np.int64)
         promotion = getattr(spec, "promotion", None)
         if self._handler is not None and spec.epoch != self._epoch:
-            # a reset: the last epoch's disk writes end before this job's discards (which
-            # delete what they wrote) and before any of its jobs (whose blocks may have
-            # the same hashes and, after a weight update, other bytes); those the writer
-            # has not begun are void (written by no one: a reset waits for the write in
-            # progress, not for a slow disk's whole queue), and one that takes too long
-            # fences the disk off (`_fence`)
+            # a reset: what the last epoch's disk writes wrote must be gone before this
+            # job's blocks (which may have the same hashes and, after a weight update,
+            # other bytes) are written. Those the writer has not begun are void (written
+            # by no one); the one in progress deletes what it wrote once it ends, and every
+            # disk write of the new epoch runs after it on the writer thread (but those of
+            # copy jobs: `_writes_disk_in_job`), so nothing waits for the disk. (Before,
+            # this job waited for the write in progress, and vLLM's step with it, for as
+            # long as a disk that hangs did. Under vLLM's own connector a store's disk
+            # writes run in its job, in order, before the discards that follow.)
             self._writes_void.set()
             self._writes_void = threading.Event()
-            bound = self.reset_wait_s if self._writes_apart else None
-            if not self._wait_writes(self._is_disk_write, timeout=bound):
-                self._fence()
+            self._fenced = not self._wait_writes(self._is_disk_write, timeout=0)
         elif self._fenced and self._wait_writes(self._is_disk_write, timeout=0):
-            self._lift_fence()
+            self._fenced = False
         self._note_slots(spec.epoch, spec.parts if promotion is None else [*spec.parts, promotion])
         if spec.discards and self._handler is not None:  # in order, before this job
             self.workers[LOCAL].submit_discard(next(self._sub_ids), spec.discards)
@@ -466,30 +483,6 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def _is_disk_write(self, tier: str, sub: int) -> bool:
         """Whether a job's part is a local disk write run apart (`_split_writes`)."""
         return tier == LOCAL and sub in self._staged
-
-    def _fence(self) -> None:
-        """A reset found a disk write of before it still in progress past `reset_wait_s`
-        (a disk that hangs): rather than hold the engine's step until the disk answers,
-        the worker goes on with the disk fenced off. Until those writes end, every new
-        store that would write the disk is shed (its demotion lost), as are loads'
-        demotions, so no block of the new epoch, which may have the same hash and other
-        bytes, is written beside them. The reset's discards skip the blocks those writes
-        hold; each write deletes what it wrote once it ends (`CascadeHandler.write`: a
-        write whose epoch is over). With `disk_writes: demote` the CPU tier takes stores
-        meanwhile; with `write_through` every store writes the disk, so none is kept
-        until the disk answers (loads are served as before). Under vLLM's own connector
-        (no store can be shed) the reset waits as before."""
-        self._fenced = True
-        log.warning(
-            "kvtier: a disk write of before the reset is still in progress after %.2f s (a "
-            "disk that hangs): disk stores are shed until it ends",
-            self.reset_wait_s,
-        )
-
-    def _lift_fence(self) -> None:
-        """The writes of before the reset have ended (and deleted what they wrote)."""
-        self._fenced = False
-        log.info("kvtier: the disk writes of before the reset have ended: disk stores resume")
 
     def _split_writes(
         self, subs: list[tuple[int, Part]], device_ids: npt.NDArray[np.int64]
@@ -560,7 +553,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         nbytes = len(write.demotion.block_hashes) * self._block_bytes
         with self._lock:
             queued = self._store_queued[LOCAL]
-            shed = self._fenced or (bool(queued) and queued + nbytes > self._store_cap[LOCAL])
+            shed = bool(queued) and queued + nbytes > self._store_cap[LOCAL]
             if not shed:
                 self._store_queued[LOCAL] = queued + nbytes
                 sub = next(self._sub_ids)
@@ -594,7 +587,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
             for part in parts:
                 nbytes = _queued_blocks(part) * self._block_bytes
                 queued = self._store_queued[part.tier]
-                behind = (writes_full or self._fenced) and part.tier == LOCAL and _writes_disk(part)
+                behind = part.tier == LOCAL and (
+                    (writes_full and _writes_disk(part))
+                    or (self._fenced and _writes_disk_in_job(part, self._snapshots))
+                )
                 if behind or (queued and queued + nbytes > self._store_cap[part.tier]):
                     self._report.shed_stores.setdefault(part.tier, []).extend(part.block_hashes)
                     self._forget_slots(part)
