@@ -129,3 +129,24 @@ def test_the_replay_json_counts_shed_blocks_under_the_engine_metric(
     assert result["tiers"]["cpu"]["shed_blocks"] == 0
     assert main([a for a in replay_argv if a != "--concurrent"] + queues) == 2
     assert "add --concurrent" in capsys.readouterr().err
+
+
+def test_a_shed_stores_demotion_counts_in_the_queue_and_is_lost() -> None:
+    """With `demote`, a store into a full CPU tier evicts blocks whose write to disk rides
+    on it: those count in the local member's queue, as in an engine, and a store shed for
+    them loses its demotion (the cascade forgets the blocks, as the engine's scheduler
+    does when its worker reports them lost). Request 0's blocks, demoted by request 1's
+    store, come back last: from disk when nothing is shed, a miss when that store was."""
+    burst = _burst(20)
+    back = TraceRequest(1000.0, 24, 10, tuple(range(6)))
+    w = Workload("burst and back", (*burst.requests, back), 4, chained=True)
+    base = ReplayConfig(cpu_blocks=6, disk_blocks=400, time_model=TimeModel())
+    kept = replay(w, base)
+    slow = StoreQueueModel(local_ms_per_block=5.0, local_max_blocks=12)
+    shed = replay(w, ReplayConfig(**{**base.__dict__, "store_queues": slow}))
+    (cpu_kept, disk_kept), (cpu, disk) = kept.tiers, shed.tiers
+    assert disk_kept.hit_blocks == 6 and disk_kept.dropped_blocks == 0
+    assert disk.shed_blocks > 0  # (12 of a member's bound: 6 blocks and their demotion)
+    assert disk.dropped_blocks > 0 and disk.hit_blocks == 0
+    # every block the CPU tier evicted reached the disk, or was lost with its store
+    assert disk.stores + disk.dropped_blocks == cpu.evictions

@@ -102,7 +102,7 @@ class _Settling:
         if chain is None and not self.moves_bytes and self.queues is None:
             return True
         parts = parts_of(spec, stored)
-        oks = [self._admit(name, part) for name, part, _ in parts]
+        oks = [self._admit(name, part, sub) for name, part, sub in parts]
         if self.moves_bytes and any(oks):  # the bytes of the parts not shed
             kept = spec
             if not all(oks):  # (a chain's: only a chain has several parts)
@@ -114,11 +114,19 @@ class _Settling:
                 chain.complete_part(name, part, ok)
         return all(oks)
 
-    def _admit(self, member: str, part: list[BlockHash]) -> bool:
-        if self.queues is None or self.queues.admit(member, len(part)):
+    def _admit(self, member: str, part: list[BlockHash], spec: LoadStoreSpec) -> bool:
+        """Whether the member's queue takes the part. A local part's demotion (the blocks
+        it evicts from a full CPU tier, written to disk) counts in the queue too, as in
+        an engine, and is lost with a shed part: the cascade forgets its blocks."""
+        demotion = getattr(spec, "demotion", None) if member == LOCAL else None
+        demoted = [] if demotion is None else list(demotion.block_hashes)
+        if self.queues is None or self.queues.admit(member, len(part) + len(demoted)):
             return True
         tier = self._local_label if member == LOCAL else "remote"
         self.ledger.tiers[tier].shed_blocks += len(part)
+        if demoted:
+            self.ledger.store_failed("disk", len(demoted))
+            self._lost.update(demoted)
         return False
 
     def locate(
@@ -193,11 +201,11 @@ class _Settling:
         self._lost.update(h for h, tier in zip(loaded, tiers, strict=True) if tier == "disk")
 
     def forget_lost(self) -> None:
-        """Disk blocks the bytes plane lost leave the cascade (dropped, not evicted).
-        Blocks still pinned by a job in flight are forgotten once it completes."""
-        if not self.moves_bytes:
-            return
-        self._lost.update(self.plane.take_lost())
+        """Disk blocks the bytes plane lost, or a shed store's demotion, leave the cascade
+        (dropped, not evicted). Blocks still pinned by a job in flight are forgotten
+        once it completes."""
+        if self.moves_bytes:
+            self._lost.update(self.plane.take_lost())
         cascade = self.stack.cascade
         if not self._lost or cascade is None:
             return
