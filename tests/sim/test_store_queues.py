@@ -144,7 +144,7 @@ def test_a_shed_stores_demotion_counts_in_the_queue_and_is_lost() -> None:
     kept = replay(w, base)
     slow = StoreQueueModel(local_ms_per_block=5.0, local_max_blocks=12)
     shed = replay(w, ReplayConfig(**{**base.__dict__, "store_queues": slow}))
-    (cpu_kept, disk_kept), (cpu, disk) = kept.tiers, shed.tiers
+    (_, disk_kept), (cpu, disk) = kept.tiers, shed.tiers
     assert disk_kept.hit_blocks == 6 and disk_kept.dropped_blocks == 0
     assert disk.shed_blocks > 0  # (12 of a member's bound: 6 blocks and their demotion)
     assert disk.dropped_blocks > 0 and disk.hit_blocks == 0
