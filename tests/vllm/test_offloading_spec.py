@@ -552,6 +552,8 @@ def test_a_shutdown_goes_on_without_the_writes_of_a_disk_that_hangs(
         assert not stopping.is_alive(), "the shutdown waited for a disk that hangs"
         assert "the CPU tier is not flushed" in caplog.text
         assert "left running" in caplog.text
+        # a wait for the job, its threads given up, ends at its deadline (it spun)
+        assert not engine.worker._wait_writes(lambda tier, sub: True, timeout=0.01)
     finally:  # the write (and the thread) go on once the disk does
         hung.set()
 

@@ -925,6 +925,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 }
             if not subs:
                 return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False  # (asked here too: with its workers closed, none is waited on)
             for tier, worker in self.workers.items():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
