@@ -124,14 +124,14 @@ def test_a_clean_shutdown_keeps_the_cpu_tier_on_disk_for_a_restart(
     assert third.hits(keys) == 0
 
 
-def test_a_reset_waits_for_the_write_in_progress_and_voids_those_not_begun(
+def test_a_reset_voids_the_writes_of_before_it_not_begun(
     engines: list[Engine], tmp_path: Path
 ) -> None:
-    """A slow disk's queue of writes at a reset: the next job (vLLM's step) waits for the
-    write in progress only; the writes of before the reset that the writer has not begun
-    are void, written by no one (a disk 20 ms a block file slow with a full queue would
-    otherwise hold the engine for seconds). Counted by the disk's block-file writes: the
-    one in progress (two blocks) and the job after the reset (one), not the two queued."""
+    """A slow disk's queue of writes at a reset: the writes of before the reset that the
+    writer has not begun are void, written by no one (a disk 20 ms a block file slow with
+    a full queue would otherwise delay the new epoch's writes for seconds). Counted by the
+    disk's block-file writes: the one in progress (two blocks) and the job after the
+    reset (one), not the two queued; only the new block is left on disk."""
     engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=16, disk_blocks=64)
     writes: list[str] = []
     writing = threading.Event()
@@ -191,15 +191,14 @@ def test_a_flush_writes_only_what_the_cpu_tier_holds_after_a_reset(
     assert restarted.hits(new) == 1 and restarted.hits(old) == 0
 
 
-def test_a_reset_waits_for_the_disk_writes_of_before_it(
-    engines: list[Engine], tmp_path: Path
-) -> None:
+def test_no_disk_write_of_before_a_reset_outlives_it(engines: list[Engine], tmp_path: Path) -> None:
     """A store's write-through runs apart from its copy, and vLLM drops the jobs of
-    before a reset without waiting for their writes. The first job after the reset waits
-    for them, so its discards delete what they wrote: a write that finished later would
-    leave a block of before the reset for a restart to serve (after a weight update, the
-    same hash with other bytes). The disk is held until a timer lets it go, after the
-    next job is submitted; a worker that did not wait would run the discards first."""
+    before a reset without waiting for their writes. The first job after the reset
+    deletes their blocks (its discards), but a write still in progress then writes its
+    block after them: a block of before the reset for a restart to serve (after a weight
+    update, the same hash with other bytes). It deletes what it wrote once it ends. The
+    disk is held until a timer lets it go, after the next job is submitted, so the
+    discards run first."""
     engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=8, disk_blocks=64)
     try:
         before = keys_of(2, start=70)

@@ -544,8 +544,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def _submit_detached(self, write: DiskWrite) -> None:
         """A load's demotion, staged by its job (on the cascade's thread): its write goes
         to the writer thread, no job's part, so the request's load is done without it.
-        Loads of its blocks fail until it is (`CascadeHandler._load_disk`); a reset and
-        the shutdown wait for it like any write. Its host rows count in the local store
+        Loads of its blocks fail until it is (`CascadeHandler._load_disk`); the shutdown
+        waits for it like any write. Its host rows count in the local store
         queue as a store's demotion does: past the queue's bound (a disk that falls
         behind) it is shed, its blocks lost from the disk tier, as a store would be."""
         assert write.demotion is not None and self._handler is not None
