@@ -25,7 +25,7 @@ with_engines = engines  # the fixture, under this module's name too
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult  # noqa: E402
 
 from kvtier.offload.tier_metrics import METRICS  # noqa: E402
-from kvtier.vllm.offloading.job_specs import LOCAL, REMOTE  # noqa: E402
+from kvtier.vllm.offloading.job_specs import LOCAL, REMOTE, WorkerReport  # noqa: E402
 from kvtier.vllm.offloading.offloading_spec import KvtierOffloadingSpec  # noqa: E402
 from tests.vllm.test_offloading_spec import spec_config  # noqa: E402
 
@@ -65,11 +65,24 @@ def test_a_tier_behind_sheds_stores_and_counts_them(engines: list[Engine], tmp_p
             stats = engine.manager.get_stats().data["data"]
             assert stats[METRICS["shed_blocks"].name] == {("redis",): 2}
             assert ("redis",) not in stats.get(METRICS["store_failures"].name, {})
+            queue_gauge = METRICS["store_queue_bytes"].name
+            assert stats[queue_gauge][("redis",)] == 2 * BLOCK_BYTES  # the first store's
+            assert engine.worker.take_report().queued_bytes  # (sent while any is queued)
 
             proxy.resume()
             engine.worker.wait_finished({1})
             assert [r.job_id for r in engine.worker.get_finished()] == [1]
+            report = engine.worker.take_report()
+            assert report.queued_bytes == {LOCAL: 0, REMOTE: 0}  # once more, emptied
+            engine.manager.apply_worker_report(report)
             engine.manager.complete_store(first, engine.ctx)
+            stats = engine.manager.get_stats().data["data"]
+            assert stats[queue_gauge] == {("cpu",): 0, ("redis",): 0}
+            assert not engine.worker.take_report().worth_sending()  # (then no more)
+            # a tensor-parallel engine's workers: the fullest one's queue
+            fuller = WorkerReport(queued_bytes={LOCAL: 0, REMOTE: 3})
+            emptied = WorkerReport(queued_bytes={REMOTE: 0})
+            assert emptied.merge(fuller).queued_bytes == {LOCAL: 0, REMOTE: 3}
             reader = Engine({"cpu_bytes_to_use": 8 * BLOCK_BYTES, "redis_url": server.url})
             engines.append(reader)
             for k in first + second:  # asked in the background

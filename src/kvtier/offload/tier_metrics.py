@@ -69,6 +69,13 @@ _METRICS = (
         "Blocks that failed their checksum at load, dropped and never served.",
     ),
     TierMetric("evicted_blocks", "counter", "Blocks the tier evicted (Redis: not seen)."),
+    TierMetric(
+        "store_queue_bytes",
+        "gauge",
+        "Bytes of stores queued for the tier, not yet written (host copies of blocks and "
+        "demotions included; a tensor-parallel engine's fullest worker): past the tier's "
+        "store_queue_bytes bound its stores are shed.",
+    ),
     TierMetric("used_blocks", "gauge", "Blocks the tier holds now (Redis: not known)."),
     TierMetric("capacity_blocks", "gauge", "Blocks the tier can hold."),
     TierMetric("used_bytes", "gauge", "Bytes the tier's blocks take now."),

@@ -85,6 +85,9 @@ class WorkerReport:
     # (reset epoch, block) of local stores whose CPU copy is done while their disk write
     # goes on: readable from the CPU tier once every worker has said so
     copied: list[tuple[int, BlockHash]] = field(default_factory=list)
+    # bytes each tier's store queue holds now (LOCAL, REMOTE), sent while any is queued
+    # and once more when it empties; merged: the fullest worker's
+    queued_bytes: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         """Whether anything failed."""
@@ -98,7 +101,9 @@ class WorkerReport:
         )
 
     def worth_sending(self) -> bool:
-        return bool(self) or bool(self.seconds or self.loads or self.steps or self.copied)
+        return bool(self) or bool(
+            self.seconds or self.loads or self.steps or self.copied or self.queued_bytes
+        )
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         stores = _merged(self.failed_stores, other.failed_stores)
@@ -117,6 +122,10 @@ class WorkerReport:
             _merged(self.shed_stores, other.shed_stores),
             dict(Counter(self.expired_loads) + Counter(other.expired_loads)),
             self.copied + other.copied,
+            {
+                tier: max(self.queued_bytes.get(tier, 0), other.queued_bytes.get(tier, 0))
+                for tier in self.queued_bytes.keys() | other.queued_bytes.keys()
+            },
         )
 
 

@@ -607,6 +607,10 @@ class KvtierOffloadingManager(OffloadingManager):
             add("shed_blocks", "redis" if name == REMOTE else self._local_label, len(hashes))
         for tier, blocks in report.expired_loads.items():
             add("load_expired_blocks", tier, blocks)
+        for name, nbytes in report.queued_bytes.items():
+            if name == LOCAL or self.remote is not None:
+                label = "redis" if name == REMOTE else self._local_label
+                self.tier_stats.reported["store_queue_bytes", label] = nbytes
         if self.cost is not None:
             for tier, blocks, seconds in report.loads:
                 self.cost.observe_load(tier, blocks, seconds)

@@ -373,6 +373,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._store_cap = {LOCAL: config.store_queue_bytes(True)}
         self._store_cap[REMOTE] = config.store_queue_bytes(False)
         self._store_queued = dict.fromkeys(self._store_cap, 0)
+        self._queued_sent = dict(self._store_queued)  # as the last report said
         # parts whose device blocks a flush need not wait for: Redis store parts copied into
         # host memory at submission (`_stage_remote`; a CPU device only, see `snapshot`),
         # and the local tier's disk writes (`_split_writes`)
@@ -852,6 +853,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def take_report(self) -> WorkerReport:
         with self._lock:
             report, self._report = self._report, WorkerReport()
+            queued = dict(self._store_queued)
+        if any(queued.values()) or queued != self._queued_sent:
+            report.queued_bytes = queued  # (the `store_queue_bytes` gauge)
+            self._queued_sent = queued
         return report
 
     def note_step(self, num_tokens: int, seconds: float) -> None:

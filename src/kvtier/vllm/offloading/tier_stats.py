@@ -79,6 +79,8 @@ class TierStats:
         self._lookup_seconds: list[float] = []  # round trips not yet handed to vLLM
         self.extra: defaultdict[tuple[str, str], float] = defaultdict(float)
         self._reported: defaultdict[tuple[str, str], float] = defaultdict(float)
+        # gauges the workers report (`WorkerReport.queued_bytes`): their last value
+        self.reported: dict[tuple[str, str], float] = {}
 
     def add(self, key: str, tier: str, value: float) -> None:
         """Count what the managers do not: Redis traffic, failures, corrupt blocks, seconds."""
@@ -119,7 +121,7 @@ class TierStats:
             gauges["breaker_state", "redis"] = BREAKER_STATES[state]
         if self.cost is not None:
             gauges |= self.cost.gauges()
-        return gauges
+        return gauges | self.reported
 
     def pull_lookup_seconds(self) -> None:
         """Take the Redis lookup round trips timed so far: the cost model's round-trip
