@@ -217,6 +217,9 @@ def test_metrics_show_each_tier(server_scenario: ServerScenario) -> None:
     assert metric(scrape, "vllm:kvtier_lookup_blocks_total", "redis") > 0
     assert metric(scrape, "vllm:kvtier_lookup_seconds_count", "redis") > 0
     assert metric(scrape, "vllm:kvtier_breaker_state", "redis") == 0
+    for tier in ("disk", "redis"):  # (0 unless a worker's queue holds stores now)
+        queued = rf'^vllm:kvtier_store_queue_bytes\{{[^}}]*tier="{tier}"[^}}]*\}} \S+$'
+        assert re.search(queued, scrape, re.MULTILINE), tier
     assert "vllm:kvtier_load_time_total" in scrape
 
 

@@ -52,6 +52,9 @@ def test_a_tier_behind_sheds_stores_and_counts_them(engines: list[Engine], tmp_p
             engines.append(engine)
             first, second = keys_of(2, start=700), keys_of(2, start=710)
             engine.compute([0, 1, 2, 3], seed=5)
+            queue_gauge = METRICS["store_queue_bytes"].name
+            stats = engine.manager.get_stats().data["data"]
+            assert stats[queue_gauge] == {("cpu",): 0, ("redis",): 0}  # there from the start
             proxy.stall()
             submit_store(engine, 1, first, [0, 1])  # takes Redis's whole queue
             submit_store(engine, 2, second, [2, 3])  # Redis is behind: shed
@@ -65,7 +68,6 @@ def test_a_tier_behind_sheds_stores_and_counts_them(engines: list[Engine], tmp_p
             stats = engine.manager.get_stats().data["data"]
             assert stats[METRICS["shed_blocks"].name] == {("redis",): 2}
             assert ("redis",) not in stats.get(METRICS["store_failures"].name, {})
-            queue_gauge = METRICS["store_queue_bytes"].name
             assert stats[queue_gauge][("redis",)] == 2 * BLOCK_BYTES  # the first store's
             assert engine.worker.take_report().queued_bytes  # (sent while any is queued)
 

@@ -235,6 +235,8 @@ class KvtierOffloadingManager(OffloadingManager):
         self.tier_stats = TierStats(
             tiers, block_bytes=block_bytes, file_bytes=file_bytes, remote=remote, cost=cost
         )
+        for label in (self._local_label, *(("redis",) if remote is not None else ())):
+            self.tier_stats.reported["store_queue_bytes", label] = 0  # (until a worker says)
         self._runs = (
             None
             if cost is None or remote is None
