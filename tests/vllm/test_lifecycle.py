@@ -226,15 +226,11 @@ def test_no_disk_write_of_before_a_reset_outlives_it(engines: list[Engine], tmp_
         hung.set()
 
 
-def test_a_reset_behind_a_disk_that_hangs_goes_on_without_it(
-    engines: list[Engine], tmp_path: Path
+def reset_mid_write(
+    engine: Engine, hung: threading.Event, keys: list[bytes], device_ids: list[int], job: int
 ) -> None:
-    """A disk hangs in the middle of a write of before a reset. The first job after the
-    reset used to wait for that write, and vLLM's step with it, for as long as the disk
-    hung. Now it goes on: its own write queues behind on the writer thread, and the late
-    write deletes what it wrote once it ends (a block of before the reset, whose discard
-    came while it was being written), before the new block is written."""
-    engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=16, disk_blocks=64)
+    """Store `keys` from `device_ids` as `job` with the disk's writes held until `hung` is
+    set; once its write has begun, a reset (vLLM drops the job, never completed here)."""
     writing = threading.Event()
 
     def slow(kind: str) -> None:
@@ -244,17 +240,28 @@ def test_a_reset_behind_a_disk_that_hangs_goes_on_without_it(
 
     assert engine.worker.disk is not None
     engine.worker.disk.io_hook = slow
+    out = engine.manager.prepare_store(keys, engine.ctx)
+    assert out is not None
+    gpu = GPULoadStoreSpec(device_ids, [len(device_ids)], [0])
+    engine.worker.submit_store(job, gpu, out.store_spec)
+    engine.worker.wait({job})  # vLLM's flush at the reset: the copy only
+    assert writing.wait(60)  # the write has begun, and hangs
+    engine.manager.reset_cache()
+
+
+def test_a_reset_behind_a_disk_that_hangs_goes_on_without_it(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """A disk hangs in the middle of a write of before a reset. The first job after the
+    reset used to wait for that write, and vLLM's step with it, for as long as the disk
+    hung. Now it goes on: its own write queues behind on the writer thread, and the late
+    write deletes what it wrote once it ends (a block of before the reset, whose discard
+    came while it was being written), before the new block is written."""
+    engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=16, disk_blocks=64)
     try:
         data = engine.compute([0, 1, 2, 3], seed=7)
         before, after = keys_of(2, start=84), keys_of(2, start=86)
-        out = engine.manager.prepare_store(before, engine.ctx)
-        assert out is not None
-        engine.worker.submit_store(95, GPULoadStoreSpec([0, 1], [2], [0]), out.store_spec)
-        engine.worker.wait({95})  # vLLM's flush at the reset: the copy only
-        assert writing.wait(60)  # the write has begun, and hangs
-
-        engine.manager.reset_cache()  # job 95 is dropped, never completed here
-
+        reset_mid_write(engine, hung, before, [0, 1], 95)
         out = engine.manager.prepare_store(after, engine.ctx)
         assert out is not None and out.store_spec.epoch == 1
         watchdog = threading.Timer(120, hung.set)  # (a job that waited would hang)
@@ -290,26 +297,10 @@ def test_after_a_reset_a_copy_job_that_writes_the_disk_is_shed_until_the_disk_an
     then stores reach the disk again."""
     engine, hung = hung_disk(engines, tmp_path / "disk", cpu_blocks=2, disk_blocks=64)
     engine.worker._snapshots = False  # as on a GPU: disk writes from the device in the job
-    writing = threading.Event()
-
-    def slow(kind: str) -> None:
-        if kind == "write":
-            writing.set()
-            hung.wait()
-
-    assert engine.worker.disk is not None
-    engine.worker.disk.io_hook = slow
     try:
         data = engine.compute([0, 1, 2, 3, 4, 5], seed=8)
         before, after = keys_of(2, start=88), keys_of(4, start=90)
-        out = engine.manager.prepare_store(before, engine.ctx)
-        assert out is not None
-        engine.worker.submit_store(97, GPULoadStoreSpec([0, 1], [2], [0]), out.store_spec)
-        engine.worker.wait({97})
-        assert writing.wait(60)  # the write-through from the CPU slots hangs
-
-        engine.manager.reset_cache()
-
+        reset_mid_write(engine, hung, before, [0, 1], 97)  # (its write-through hangs)
         out = engine.manager.prepare_store(after, engine.ctx)  # 2 to CPU, 2 to disk only
         assert out is not None and out.store_spec.epoch == 1
         watchdog = threading.Timer(120, hung.set)  # (a copy job that wrote would hang)

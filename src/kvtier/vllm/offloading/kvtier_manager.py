@@ -236,7 +236,7 @@ class KvtierOffloadingManager(OffloadingManager):
             tiers, block_bytes=block_bytes, file_bytes=file_bytes, remote=remote, cost=cost
         )
         for label in (self._local_label, *(("redis",) if remote is not None else ())):
-            self.tier_stats.reported["store_queue_bytes", label] = 0  # (until a worker says)
+            self.tier_stats.worker_gauges["store_queue_bytes", label] = 0  # (until a worker says)
         self._runs = (
             None
             if cost is None or remote is None
@@ -612,7 +612,7 @@ class KvtierOffloadingManager(OffloadingManager):
         for name, nbytes in report.queued_bytes.items():
             if name == LOCAL or self.remote is not None:
                 label = "redis" if name == REMOTE else self._local_label
-                self.tier_stats.reported["store_queue_bytes", label] = nbytes
+                self.tier_stats.worker_gauges["store_queue_bytes", label] = nbytes
         if self.cost is not None:
             for tier, blocks, seconds in report.loads:
                 self.cost.observe_load(tier, blocks, seconds)

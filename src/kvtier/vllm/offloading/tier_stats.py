@@ -80,7 +80,7 @@ class TierStats:
         self.extra: defaultdict[tuple[str, str], float] = defaultdict(float)
         self._reported: defaultdict[tuple[str, str], float] = defaultdict(float)
         # gauges the workers report (`WorkerReport.queued_bytes`): their last value
-        self.reported: dict[tuple[str, str], float] = {}
+        self.worker_gauges: dict[tuple[str, str], float] = {}
 
     def add(self, key: str, tier: str, value: float) -> None:
         """Count what the managers do not: Redis traffic, failures, corrupt blocks, seconds."""
@@ -121,7 +121,7 @@ class TierStats:
             gauges["breaker_state", "redis"] = BREAKER_STATES[state]
         if self.cost is not None:
             gauges |= self.cost.gauges()
-        return gauges | self.reported
+        return gauges | self.worker_gauges
 
     def pull_lookup_seconds(self) -> None:
         """Take the Redis lookup round trips timed so far: the cost model's round-trip
