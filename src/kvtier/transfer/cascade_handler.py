@@ -403,13 +403,17 @@ class CascadeHandler:
         if demotion is None:
             return
         try:
-            slots = self.memory.slot_ids(demotion.src)
-            self.memory.verify(slots)
-            self.disk.write_segments(demotion.dst, self.memory.slot_parts(slots))
+            self.disk.write_segments(demotion.dst, self._evicted_parts(demotion))
         except Exception as exc:  # not this job's blocks: record, and go on
             self._demotion_failed(demotion, exc)
             return
         self._demotion_done(demotion)
+
+    def _evicted_parts(self, demotion: Demotion) -> list[list[memoryview]]:
+        """The demoted blocks' segments in their CPU slots, checked (`MemoryStore.verify`)."""
+        slots = self.memory.slot_ids(demotion.src)
+        self.memory.verify(slots)
+        return self.memory.slot_parts(slots)
 
     def _demotion_failed(
         self, demotion: Demotion, exc: BaseException, *, quiet: bool = False
@@ -440,9 +444,7 @@ class CascadeHandler:
         demotion = write.demotion
         assert demotion is not None
         try:
-            slots = self.memory.slot_ids(demotion.src)
-            self.memory.verify(slots)
-            rows = [b"".join(parts) for parts in self.memory.slot_parts(slots)]
+            rows = [b"".join(parts) for parts in self._evicted_parts(demotion)]
         except Exception as exc:  # not this job's blocks: record, and go on
             write.staging_failed = True
             self._demotion_failed(demotion, exc)

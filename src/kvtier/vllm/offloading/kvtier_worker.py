@@ -553,10 +553,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         write.void = self._writes_void
         nbytes = len(write.demotion.block_hashes) * self._block_bytes
         with self._lock:
-            queued = self._store_queued[LOCAL]
-            shed = bool(queued) and queued + nbytes > self._store_cap[LOCAL]
+            shed = self._behind(LOCAL, nbytes)
             if not shed:
-                self._store_queued[LOCAL] = queued + nbytes
+                self._store_queued[LOCAL] += nbytes
                 sub = next(self._sub_ids)
                 self._detached[sub] = write
         if shed:
@@ -587,21 +586,26 @@ class KvtierOffloadingWorker(OffloadingWorker):
         with self._lock:
             for part in parts:
                 nbytes = _queued_blocks(part) * self._block_bytes
-                queued = self._store_queued[part.tier]
                 behind = part.tier == LOCAL and (
                     (writes_full and _writes_disk(part))
                     or (self._fenced and _writes_disk_in_job(part, self._snapshots))
                 )
-                if behind or (queued and queued + nbytes > self._store_cap[part.tier]):
+                if behind or self._behind(part.tier, nbytes):
                     self._report.shed_stores.setdefault(part.tier, []).extend(part.block_hashes)
                     self._forget_slots(part)
                     demotion = getattr(part.spec, "demotion", None)
                     if demotion is not None:  # never written: the scheduler forgets them
                         self._report.lost_demotions.extend(demotion.block_hashes)
                     continue
-                self._store_queued[part.tier] = queued + nbytes
+                self._store_queued[part.tier] += nbytes
                 admitted.append(part)
         return admitted
+
+    def _behind(self, tier: str, nbytes: int) -> bool:
+        """Whether a store of `nbytes` would take `tier`'s queue past its bound (under
+        the lock): a queue that holds nothing takes any store, it is not behind."""
+        queued = self._store_queued[tier]
+        return bool(queued) and queued + nbytes > self._store_cap[tier]
 
     def _stage_remote(
         self, subs: list[tuple[int, Part]], device_ids: npt.NDArray[np.int64]
