@@ -42,6 +42,7 @@ from typing import Any
 from benchmarks.class_ceiling import SignalClasses, UseClasses, class_ceiling
 from benchmarks.common import CONVERSATION_TRACE, write_result
 from benchmarks.hit_density import Classify, NextUseClasses, OnlineClasses, density_hits
+from benchmarks.past_rules import past_rules_hits
 from kvtier.offload import CPUOffloadingManager
 from kvtier.offload.policies import available_policies
 from kvtier.sim import GeneratorConfig, ReplayConfig, generate_workload, load_workload, replay
@@ -165,6 +166,11 @@ def ceiling_classes(workload: Workload, next_use: NextUseClasses) -> dict[str, C
     }
 
 
+def past_rules_classes() -> dict[str, Classify]:
+    """The online class sets whose rules `past_rules_hits` learns from the past (fresh)."""
+    return {"uses": UseClasses(), "online": OnlineClasses(), "signals": SignalClasses()}
+
+
 def measure(workload: Workload, policies: list[str]) -> list[dict[str, Any]]:
     refs = workload.block_refs
     again = used_again(workload)
@@ -193,6 +199,10 @@ def measure(workload: Workload, policies: list[str]) -> list[dict[str, Any]]:
                 name: class_ceiling(workload.block_ids, capacity, classify).hits / refs
                 for name, classify in ceiling_classes(workload, next_use).items()
             },
+            "past_rules": {
+                name: past_rules_hits(workload.block_ids, capacity, classify) / refs
+                for name, classify in past_rules_classes().items()
+            },
         }
         rows.append(row)
         cells = "  ".join(f"{p} {v:.4f}" for p, v in online.items())
@@ -204,7 +214,9 @@ def measure(workload: Workload, policies: list[str]) -> list[dict[str, Any]]:
             f"admission oracle {row['admission_oracle']:.4f}  hit density: told when "
             f"{row['density_next_use']:.4f}, online classes {row['density_online']:.4f}  "
             "class ceilings: "
-            + ", ".join(f"{k} {v:.4f}" for k, v in row["class_ceilings"].items()),
+            + ", ".join(f"{k} {v:.4f}" for k, v in row["class_ceilings"].items())
+            + "  learned from earlier tenths: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in row["past_rules"].items()),
             flush=True,
         )
     return rows

@@ -52,18 +52,11 @@ def class_ceiling(block_ids: Sequence[Sequence[int]], capacity: int, classify: C
     # the trace's end (held that long at most)
     gaps: dict[Hashable, list[int]] = {}
     room: dict[Hashable, list[int]] = {}
-    last: dict[int, tuple[Hashable, int]] = {}
-    for t, ids in enumerate(block_ids):
-        classes = classify(t, ids)
-        if len(classes) != len(ids):
-            raise ValueError(f"request {t}: {len(classes)} classes for {len(ids)} blocks")
-        for b, c in zip(ids, classes, strict=True):
-            before = last.get(b)
-            if before is not None:
-                gaps.setdefault(before[0], []).append(t - before[1])
-            last[b] = (c, t)
-    for c, t in last.values():
-        room.setdefault(c, []).append(n - t)
+    for t, c, gap in references(block_ids, classify):
+        if gap is None:
+            room.setdefault(c, []).append(n - t)
+        else:
+            gaps.setdefault(c, []).append(gap)
     budget = capacity * n
     segments = []
     for c in gaps.keys() | room.keys():
@@ -79,11 +72,40 @@ def class_ceiling(block_ids: Sequence[Sequence[int]], capacity: int, classify: C
     return Ceiling(hits=hits, classes=len(gaps.keys() | room.keys()), budget=budget)
 
 
+def references(
+    block_ids: Sequence[Sequence[int]], classify: Classify
+) -> list[tuple[int, Hashable, int | None]]:
+    """Every block reference, in order: its request, its class (`classify` is called once
+    per request in order: online classifiers keep state) and the requests to its
+    block's next use (None: never used again)."""
+    refs: list[tuple[int, Hashable, int | None]] = []
+    last: dict[int, int] = {}
+    for t, ids in enumerate(block_ids):
+        classes = classify(t, ids)
+        if len(classes) != len(ids):
+            raise ValueError(f"request {t}: {len(classes)} classes for {len(ids)} blocks")
+        for b, c in zip(ids, classes, strict=True):
+            before = last.get(b)
+            if before is not None:
+                was, cls, _ = refs[before]
+                refs[before] = (was, cls, t - was)
+            last[b] = len(refs)
+            refs.append((t, c, None))
+    return refs
+
+
 def _hull_segments(gaps: list[int], room: list[int]) -> list[tuple[float, int]]:
     """The (cost, hits) steps along the upper concave hull of one class's curve, from
-    holding nothing (0, 0) to holding every block until its next use: a hold time T
-    worth trying is a gap (the hits rise only there)."""
-    points = [(0.0, 0)]
+    holding nothing (0, 0) to holding every block until its next use."""
+    hull = hull_vertices(gaps, room)
+    return [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(hull) if b[1] > a[1]]
+
+
+def hull_vertices(gaps: list[int], room: list[int]) -> list[tuple[float, int, int]]:
+    """The (cost, hits, hold time) vertices of the upper concave hull of one class's
+    curve (`gaps` and `room` sorted), from holding nothing: a hold time T worth trying
+    is a gap (the hits rise only there)."""
+    points = [(0.0, 0, 0)]
     i, below_cost = 0, 0.0  # gaps <= T so far, and their summed gaps
     r, room_below = 0, 0.0  # room values <= T so far, and their sum
     for T in sorted(set(gaps)):
@@ -94,13 +116,13 @@ def _hull_segments(gaps: list[int], room: list[int]) -> list[tuple[float, int]]:
             room_below += room[r]
             r += 1
         cost = below_cost + (len(gaps) - i) * T + room_below + (len(room) - r) * T
-        points.append((cost, i))
-    hull: list[tuple[float, int]] = []
+        points.append((cost, i, T))
+    hull: list[tuple[float, int, int]] = []
     for p in points:  # monotone chain: costs rise, keep the upper hull
-        while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) >= 0:
+        while len(hull) >= 2 and _cross(hull[-2][:2], hull[-1][:2], p[:2]) >= 0:
             hull.pop()
         hull.append(p)
-    return [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(hull) if b[1] > a[1]]
+    return hull
 
 
 def _cross(o: tuple[float, int], a: tuple[float, int], b: tuple[float, int]) -> float:
