@@ -11,9 +11,11 @@ constant to configure but a comparison of two measured, moving estimates:
   exponential moving average (`smoothing` is a new sample's weight), the block's time
   the median of the last loads (`WeightedMedian`): they follow a tier as it slows down
   or recovers, the median once half the recent loads' blocks say so.
-- what recomputing takes on this engine: seconds per token of the engine's own steps
-  (the scheduler side times each step that computes tokens, start to output), at the
-  load the engine is under now.
+- what recomputing takes on this engine, per token, from the engine's own steps (the
+  scheduler side times each step that computes tokens, start to output): what a token
+  adds to a step, the slope of a line through the last steps, where they make one with
+  a fixed part (`StepLine`: a load does not save what every step costs); else the
+  moving average per token of whole steps, at the load the engine is under now.
 
 `worth_loading(tier, n)` offers the n blocks only when the load is predicted faster.
 The model decides per tier (the caller asks once per tier's run of blocks): a long
@@ -47,10 +49,11 @@ Bookkeeping only: no vLLM, no clock of its own (callers pass seconds in).
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
+from kvtier.connector.estimators import MovingAverage, StepLine, WeightedMedian
 from kvtier.validate import seconds
 
 MODES = ("measured", "always")
@@ -97,50 +100,6 @@ class CostConfig:
             seconds(name, getattr(self, name))
 
 
-class MovingAverage:
-    """An exponential moving average; None until its first sample."""
-
-    def __init__(self, weight: float) -> None:
-        self.weight = weight
-        self.value: float | None = None
-
-    def add(self, sample: float) -> None:
-        if not math.isfinite(sample) or sample < 0:
-            return  # a clock that went backwards, a bug upstream: never poison the estimate
-        value = self.value
-        self.value = sample if value is None else value + self.weight * (sample - value)
-
-
-class WeightedMedian:
-    """The median rate of the last `window` samples, each weighing as what it is per (a
-    load's seconds past its round trip over its blocks: a load of 32 blocks says more of
-    a block's time than one of 2, whose time is mostly the round trip's noise). A median,
-    not a moving average: one load slowed by a busy engine (another request's prefill on
-    every core) took a moving average from 2 to 18.5 ms a block in a bench_serving run,
-    and the loads after it were declined, where a declined tier is measured again only
-    by a probe. Averaged per sample, loads of a few blocks 25 ms off a 0.2 s round trip
-    taught 12 ms a block where 32-block loads took 1 ms."""
-
-    def __init__(self, window: int = 16) -> None:
-        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
-        # the lowest rate with at least half the weight at or below it; None: no sample
-        # (ranked once a load, not at every decision that reads it)
-        self.value: float | None = None
-
-    def add(self, amount: float, per: float) -> None:
-        if not (math.isfinite(amount) and math.isfinite(per)) or amount < 0 or per <= 0:
-            return  # a clock that went backwards, a bug upstream: never poison the estimate
-        self._samples.append((amount / per, per))
-        ranked = sorted(self._samples)
-        half, weight = sum(w for _, w in ranked) / 2, 0.0
-        for rate, w in ranked:
-            weight += w
-            if weight >= half:
-                self.value = rate
-                return
-        self.value = ranked[-1][0]
-
-
 class TierCost:
     """One tier's load cost: a round trip plus a transfer time per block."""
 
@@ -166,6 +125,7 @@ class CostModel:
         self.tokens_per_block = tokens_per_block
         self.tiers: dict[str, TierCost] = {}
         self.token_seconds = MovingAverage(config.smoothing)  # recompute, per token
+        self.step_line = StepLine()  # the same, apart from a step's fixed part
         # per tier: the share of requests whose first block asked of it was there
         self.lookup_hits: dict[str, MovingAverage] = {}
         # (tier, "load" | "recompute") -> blocks decided that way
@@ -216,17 +176,24 @@ class CostModel:
         return 1.0 if share is None or share.value is None else share.value
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """An engine step that computed `num_tokens` tokens in `seconds`. Steps of fewer
-        than MIN_STEP_BLOCKS blocks of tokens (decode steps, short prompts) are left out:
-        their time is mostly the step's own, which recomputing a prefix does not add."""
+        """An engine step that computed `num_tokens` tokens in `seconds`. The average per
+        token leaves out steps of fewer than MIN_STEP_BLOCKS blocks of tokens (decode
+        steps, short prompts): their time is mostly the step's own, which recomputing a
+        prefix does not add. The step line takes them: they say what the fixed part is."""
+        self.step_line.add(num_tokens, seconds)
         if num_tokens >= MIN_STEP_BLOCKS * self.tokens_per_block:
             self.token_seconds.add(seconds / num_tokens)
 
     # --- predictions and decisions ------------------------------------------
 
     def recompute_seconds(self, num_blocks: int) -> float | None:
+        """What recomputing `num_blocks` adds to the engine's steps (see the module
+        docstring); None before a step that computed a few blocks was measured."""
         per_token = self.token_seconds.value
-        return None if per_token is None else num_blocks * self.tokens_per_block * per_token
+        if per_token is None:
+            return None
+        line = self.step_line.per_token
+        return num_blocks * self.tokens_per_block * (per_token if line is None else line)
 
     def load_seconds(self, tier: str, num_blocks: int, prefetched: int = 0) -> float | None:
         """Predicted seconds to load `num_blocks` from `tier`, the first `prefetched` of
