@@ -290,7 +290,7 @@ def test_after_a_reset_a_copy_job_that_writes_the_disk_is_shed_until_the_disk_an
     engines: list[Engine], tmp_path: Path
 ) -> None:
     """On a GPU the blocks a CPU tier too full to take them sends straight to disk are
-    written in the store's copy job, not on the writer thread (`_writes_disk_in_job`;
+    written in the store's copy job, not on the writer thread (`writes_disk_in_job`;
     played here on the CPU device). Beside a write of before a reset that still hangs,
     such a store could have its block (the same hash, other bytes after a weight
     update) overwritten by it: it is shed, counted, never failed, until the disk answers;

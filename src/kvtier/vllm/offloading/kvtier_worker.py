@@ -20,7 +20,6 @@ channel) results carry the real success flag.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import itertools
@@ -46,7 +45,6 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.connector.tier_config import TierConfig
 from kvtier.offload.cascade_manager import CascadeLoadSpec, CascadeStoreSpec
-from kvtier.offload.mediums import BlockIDsLoadStoreSpec
 from kvtier.remote.head_codec import header_size
 from kvtier.remote.kv_store import LoadGuard
 from kvtier.remote.remote_manager import RemoteLoadStoreSpec
@@ -73,6 +71,19 @@ from kvtier.vllm.offloading.job_specs import (
     Part,
     WorkerReport,
 )
+from kvtier.vllm.offloading.part_queries import (
+    cpu_slots,
+    detach_demotion,
+    medium_of,
+    own,
+    queued_blocks,
+    slots_of,
+    subpart,
+    timed_blocks,
+    writes_after,
+    writes_disk,
+    writes_disk_in_job,
+)
 
 log = logging.getLogger(__name__)
 FLUSH_BATCH = 64  # blocks per disk write of the flush at shutdown
@@ -80,153 +91,6 @@ FLUSH_BATCH = 64  # blocks per disk write of the flush at shutdown
 # before it goes on without them: a healthy disk ends a full writer queue (64 jobs) in a
 # second or two; one that hangs would otherwise keep the engine from ever stopping
 SHUTDOWN_WAIT_S = 30.0
-
-
-def _slots_of(part: Part) -> list[tuple[int, BlockHash]]:
-    """(CPU slot, block) for each block this local part writes into the CPU tier."""
-    spec = part.spec
-    if isinstance(spec, CascadeStoreSpec) and spec.cpu is not None:
-        slots, positions = spec.cpu.block_ids, spec.cpu_positions
-    elif isinstance(spec, CascadeLoadSpec) and spec.promotion is not None:
-        slots, positions = spec.promotion.block_ids, spec.promotion_positions
-    else:
-        return []
-    hashes = part.block_hashes
-    return [(slot, hashes[p]) for slot, p in zip(slots.tolist(), positions, strict=True)]
-
-
-def _cpu_slots(subs: list[tuple[int, Part]]) -> dict[int, tuple[int, int]]:
-    """Job position -> (the local part's sub, the CPU slot it writes there)."""
-    out: dict[int, tuple[int, int]] = {}
-    for sub, part in subs:
-        spec = part.spec
-        if isinstance(spec, CascadeStoreSpec) and spec.cpu is not None:
-            slots, positions = spec.cpu.block_ids, [part.positions[i] for i in spec.cpu_positions]
-        elif part.tier == LOCAL and isinstance(spec, BlockIDsLoadStoreSpec):
-            slots, positions = spec.block_ids, part.positions
-        else:
-            continue
-        for position, slot in zip(positions, slots.tolist(), strict=True):
-            out[position] = (sub, slot)
-    return out
-
-
-def _subpart(part: Part, picked: list[int]) -> Part:
-    """The blocks of a remote store part at these indices of it."""
-    spec = part.spec
-    assert isinstance(spec, RemoteLoadStoreSpec)
-    hashes = [part.block_hashes[i] for i in picked]
-    return Part(
-        part.tier,
-        [part.positions[i] for i in picked],
-        hashes,
-        RemoteLoadStoreSpec([spec.block_hashes[i] for i in picked], spec.salt),
-    )
-
-
-def _own(part: Part, **state: Any) -> Part:
-    """`part` with a spec of this worker's own carrying `state` (a load's guard, a store's
-    staged copy). The spec it came with may be shared: several workers of one process
-    (tensor-parallel tests) are handed the same object, where each worker process of an
-    engine gets its own, so state set on it would be another worker's."""
-    spec = copy.copy(part.spec)
-    for name, value in state.items():
-        setattr(spec, name, value)
-    return dataclasses.replace(part, spec=spec)
-
-
-def _timed_blocks(part: Part) -> int:
-    """The blocks a load part's time is the transfer of: a cascade load that reads the
-    disk is timed as the disk's (`_medium_of`), and its CPU blocks cost next to nothing
-    beside a file read, so the disk's estimate is per block read from disk; 0: nothing
-    to time."""
-    spec = part.spec
-    if isinstance(spec, CascadeLoadSpec) and spec.disk_positions:
-        return len(spec.disk_positions)
-    # a Redis load's blocks that its lookup read whole (`prefetch`) cost no transfer
-    return len(part.block_hashes) - getattr(spec, "prefetched", 0)
-
-
-def _ran(job: _Job, began: float) -> float:
-    """What a load part given up at its deadline took at least: the deadline less what
-    it waited in its tier's queue (`began`, on `time.perf_counter`, as `job.started`).
-    The estimate learns that the tier is slow (else a tier never measured would be
-    loaded, and given up, every time); a part given up before its tier took it is no
-    sample at all: the load ahead of it is. Counted whole, a load that waited behind
-    another on a busy engine taught the estimate that the tier itself was slow, and the
-    loads after it were declined. Nor does the time past the deadline count: it is the
-    step the engine was in when the deadline passed (checked between steps), not the
-    tier's: on a saturated engine a step is a whole prefill."""
-    return max(job.deadline_s - max(began - job.started, 0.0), 0.0)
-
-
-def _writes_disk(part: Part) -> bool:
-    """Whether a store part writes the disk, a demotion included (and so may take the
-    writer's queue)."""
-    spec = part.spec
-    return isinstance(spec, CascadeStoreSpec) and (
-        spec.disk is not None or spec.demotion is not None
-    )
-
-
-def _writes_disk_in_job(part: Part, device_apart: bool) -> bool:
-    """Whether a store part would write the disk in its copy job rather than on the
-    writer thread (`split_disk_part`: on a GPU, the blocks a CPU tier too full to take
-    them sends straight to disk; a disk part that cannot be cut by block).
-
-    Why it matters after a reset: a disk write of before it may still be in progress
-    (a disk that hangs). Writes on the writer thread run after it, and it deletes what
-    it wrote once it ends (`CascadeHandler.write`), but one in a copy job could run
-    beside it, and a block of the new epoch (the same hash, other bytes after a weight
-    update) be overwritten by it. So until it ends (`_fenced`) such parts are shed."""
-    spec = part.spec
-    if not isinstance(spec, CascadeStoreSpec) or spec.disk is None or not spec.disk_positions:
-        return False  # (a demotion alone is always written apart)
-    split = split_disk_part(spec, device_apart)
-    if split is None:
-        return True
-    return split.copy is not None and (
-        split.copy.disk is not None or split.copy.demotion is not None
-    )
-
-
-def _queued_blocks(part: Part) -> int:
-    """The blocks a store part holds in its tier's queue: its own, and those of a
-    demotion it writes (copied out of their CPU slots into host rows when it is written
-    apart: the queue's bound is the bound on that memory too)."""
-    demotion = getattr(part.spec, "demotion", None)
-    return len(part.positions) + (0 if demotion is None else len(demotion.block_hashes))
-
-
-def _detach_demotion(part: Part) -> Part:
-    """A load part whose promotion demotes (`disk_writes: demote`, a full CPU tier),
-    with that demotion's write to be cut away from it (`CascadeHandler.detach_write`)."""
-    spec = part.spec
-    if not isinstance(spec, CascadeLoadSpec) or spec.demotion is None:
-        return part
-    return _own(part, demotion_write=DiskWrite(spec.demotion.dst, demotion=spec.demotion))
-
-
-def _writes_after(spec: object) -> list[DiskWrite]:
-    """The disk writes cut away from a store's copy (`_split_writes`) that wait for it."""
-    if not isinstance(spec, CopyThenWrite):
-        return []
-    return [w for w in (spec.then, spec.demotion_write) if w is not None]
-
-
-def _medium_of(part: Part) -> str:
-    """The tier a part's transfer is timed under: a cascade job that touches the disk
-    (a read, a write-through, a demotion) is the disk's, its time being the disk's."""
-    spec = part.spec
-    if part.tier == REMOTE:
-        return "redis"
-    if isinstance(spec, CascadeLoadSpec):
-        return "disk" if spec.disk_positions or spec.demotion is not None else "cpu"
-    if isinstance(spec, CascadeStoreSpec):
-        return "disk" if spec.disk is not None or spec.demotion is not None else "cpu"
-    if isinstance(spec, DiskWrite):
-        return "disk"
-    return "cpu"
 
 
 @dataclass
@@ -245,6 +109,19 @@ class _Job:
     deadline: float | None = None  # on the worker's clock: when its load parts are given up
     deadline_s: float = 0.0  # how long that was from its submission
     epoch: int = 0  # the scheduler's reset epoch it belongs to
+
+
+def _ran(job: _Job, began: float) -> float:
+    """What a load part given up at its deadline took at least: the deadline less what
+    it waited in its tier's queue (`began`, on `time.perf_counter`, as `job.started`).
+    The estimate learns that the tier is slow (else a tier never measured would be
+    loaded, and given up, every time); a part given up before its tier took it is no
+    sample at all: the load ahead of it is. Counted whole, a load that waited behind
+    another on a busy engine taught the estimate that the tier itself was slow, and the
+    loads after it were declined. Nor does the time past the deadline count: it is the
+    step the engine was in when the deadline passed (checked between steps), not the
+    tier's: on a saturated engine a step is a whole prefill."""
+    return max(job.deadline_s - max(began - job.started, 0.0), 0.0)
 
 
 def freeze_startup_heap() -> None:
@@ -380,7 +257,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._staged: set[int] = set()
         # set at a reset: the disk writes of the epoch before it that are still queued
         self._writes_void = threading.Event()
-        # a disk write of before a reset is still in progress (see `_writes_disk_in_job`)
+        # a disk write of before a reset is still in progress (see `writes_disk_in_job`)
         self._fenced = False
         # the local tier's disk writes run apart from its copies and loads (under
         # KvtierConnector only: see `_split_writes`)
@@ -428,7 +305,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             # other bytes) are written. Those the writer has not begun are void (written
             # by no one); the one in progress deletes what it wrote once it ends, and every
             # disk write of the new epoch runs after it on the writer thread (but those of
-            # copy jobs: `_writes_disk_in_job`), so nothing waits for the disk. (Before,
+            # copy jobs: `writes_disk_in_job`), so nothing waits for the disk. (Before,
             # this job waited for the write in progress, and vLLM's step with it, for as
             # long as a disk that hangs did. Under vLLM's own connector a store's disk
             # writes run in its job, in order, before the discards that follow.)
@@ -448,13 +325,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if is_load and deadline_s is not None and self.report_failures:
             job.deadline, job.deadline_s = self.clock() + deadline_s, deadline_s
             parts = [
-                _own(part, guard=LoadGuard())
+                own(part, guard=LoadGuard())
                 if isinstance(part.spec, RemoteLoadStoreSpec | CascadeLoadSpec)
                 else part
                 for part in parts
             ]
         if is_load and self._writes_apart:
-            parts = [_detach_demotion(part) for part in parts]
+            parts = [detach_demotion(part) for part in parts]
         # (vLLM's own connector has no way to hear of a shed store: it sheds none)
         if not is_load and self.report_failures:
             parts = self._admit_stores(parts)
@@ -532,7 +409,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 out.append((sub, pieces[0]))
             # admitted as one part: each piece leaves the queue when it is done, so the
             # queue holds what the pieces hold over what the part was admitted with
-            queued = sum(map(_queued_blocks, pieces)) - _queued_blocks(part)
+            queued = sum(map(queued_blocks, pieces)) - queued_blocks(part)
             with self._lock:
                 for piece in pieces[1 if split.copy is not None else 0 :]:
                     later = next(self._sub_ids)
@@ -585,10 +462,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         writes_full = self._handler is not None and self.workers[LOCAL].writes_room() < 3
         with self._lock:
             for part in parts:
-                nbytes = _queued_blocks(part) * self._block_bytes
+                nbytes = queued_blocks(part) * self._block_bytes
                 behind = part.tier == LOCAL and (
-                    (writes_full and _writes_disk(part))
-                    or (self._fenced and _writes_disk_in_job(part, self._snapshots))
+                    (writes_full and writes_disk(part))
+                    or (self._fenced and writes_disk_in_job(part, self._snapshots))
                 )
                 if behind or self._behind(part.tier, nbytes):
                     self._report.shed_stores.setdefault(part.tier, []).extend(part.block_hashes)
@@ -618,7 +495,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         in all (a part larger than the whole bound is sent from the engine's blocks)."""
         if self._stager is None:
             return subs, {}
-        in_cpu = _cpu_slots(subs) if self._from_slots else {}
+        in_cpu = cpu_slots(subs) if self._from_slots else {}
         staged: list[tuple[int, Part]] = []
         after: dict[int, list[tuple[int, Part]]] = {}
         for sub, part in subs:
@@ -635,12 +512,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     rest.append(i)
             for local, picked in by_local.items():
                 slots = np.array([in_cpu[part.positions[i]][1] for i in picked], dtype=np.int64)
-                piece = _own(_subpart(part, picked), staged=SlotPieces(self.memory, slots))
+                piece = own(subpart(part, picked), staged=SlotPieces(self.memory, slots))
                 after.setdefault(local, []).append((next(self._sub_ids), piece))
             if rest:
-                piece = part if len(rest) == len(part.positions) else _subpart(part, rest)
+                piece = part if len(rest) == len(part.positions) else subpart(part, rest)
                 snapshot = self._stager.snapshot(device_ids[piece.positions])
-                staged.append((copied := next(self._sub_ids), _own(piece, staged=snapshot)))
+                staged.append((copied := next(self._sub_ids), own(piece, staged=snapshot)))
                 self._staged.add(copied)
         self._staged.update(sub for parts in after.values() for sub, _ in parts)
         return staged, after
@@ -684,12 +561,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
         for sub, part, job in expired:
             part.spec.guard.abandon()  # type: ignore[attr-defined]
             began = self.workers[part.tier].began(sub)
-            tier = _medium_of(part)
+            tier = medium_of(part)
             with self._lock:
                 expired_blocks = self._report.expired_loads
                 expired_blocks[tier] = expired_blocks.get(tier, 0) + len(part.block_hashes)
                 if began is not None:
-                    self._report.loads.append((tier, _timed_blocks(part), _ran(job, began)))
+                    self._report.loads.append((tier, timed_blocks(part), _ran(job, began)))
             log.warning(
                 "kvtier: a %s load of %d blocks passed its deadline; vLLM recomputes them",
                 tier,
@@ -733,7 +610,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             job = self._jobs[job_id]
             part = job.waiting.pop(sub)
             self._staged.discard(sub)
-            writes = _writes_after(part.spec)
+            writes = writes_after(part.spec)
             if writes and not ok:  # (a copy refused unrun): its writes fail
                 for write in writes:
                     write.copy.settle(False)
@@ -742,13 +619,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 in_cpu = [part.block_hashes[i] for i in part.spec.cpu_positions]
                 self._report.copied.extend((job.epoch, h) for h in in_cpu)
             if not job.is_load and self.report_failures:  # its room in the queue is free
-                self._dequeue(part.tier, _queued_blocks(part))
+                self._dequeue(part.tier, queued_blocks(part))
             job.bytes += nbytes
             direction = "load" if job.is_load and part is not job.promotion else "store"
-            timed = f"{_medium_of(part)}:{direction}"
+            timed = f"{medium_of(part)}:{direction}"
             self._report.seconds[timed] = self._report.seconds.get(timed, 0.0) + seconds
             if ok and direction == "load":
-                self._report.loads.append((_medium_of(part), _timed_blocks(part), seconds))
+                self._report.loads.append((medium_of(part), timed_blocks(part), seconds))
             loaded_remote = job.is_load and tier == REMOTE
             if not ok:  # the slots it wrote (a store, a promotion) hold nothing to flush
                 self._forget_slots(part)
@@ -769,7 +646,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 for late, late_part in follow:
                     del job.waiting[late], self._owner[REMOTE, late]
                     self._staged.discard(late)
-                    self._dequeue(REMOTE, _queued_blocks(late_part))
+                    self._dequeue(REMOTE, queued_blocks(late_part))
                     failed = self._report.failed_stores.setdefault(REMOTE, [])
                     failed.extend(late_part.block_hashes)
                 follow = []
@@ -813,11 +690,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 self._slots.clear()
                 self._epoch = epoch
             for part in parts:
-                self._slots.update(_slots_of(part))
+                self._slots.update(slots_of(part))
 
     def _forget_slots(self, part: Part) -> None:
         """A store or promotion failed: its slots' bytes are not the blocks'."""
-        for slot, block_hash in _slots_of(part):
+        for slot, block_hash in slots_of(part):
             if self._slots.get(slot) == block_hash:
                 del self._slots[slot]
 
