@@ -49,6 +49,7 @@ def test_a_load_slower_than_a_recompute_on_a_gpu_like_engine_is_declined() -> No
     cost.observe_load("redis", 64, 0.011)
     assert cost.recompute_seconds(64) == pytest.approx(64 * TOKENS * 2e-6)
     assert not cost.worth_loading("redis", 64)
+    assert cost.gauges()["cost_step_fixed_seconds", "engine"] == pytest.approx(0.008)
     average = cost.token_seconds.value
     assert average is not None and 64 * TOKENS * average > cost.load_seconds("redis", 64)
 
@@ -62,6 +63,7 @@ def test_steps_that_grow_faster_than_their_tokens_keep_the_average() -> None:
             cost.observe_step(tokens, 1e-4 * tokens + 2.3e-7 * tokens**2)
     assert cost.step_line.per_token is None and cost.step_line.fixed is None
     assert cost.recompute_seconds(1) == pytest.approx(TOKENS * cost.token_seconds.value)
+    assert cost.gauges()["cost_step_fixed_seconds", "engine"] == 0
 
 
 def test_too_few_or_too_alike_steps_make_no_line() -> None:

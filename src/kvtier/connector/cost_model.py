@@ -388,6 +388,8 @@ class CostModel:
         per_block = self.recompute_seconds(1)
         if per_block is not None:
             out["cost_recompute_block_seconds", "engine"] = per_block
+            # 0 where the estimate is the average per token (no fixed part taken out)
+            out["cost_step_fixed_seconds", "engine"] = self.step_line.fixed or 0.0
         return out
 
 

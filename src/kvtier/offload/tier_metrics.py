@@ -124,7 +124,14 @@ _METRICS = (
     TierMetric(
         "cost_recompute_block_seconds",
         "gauge",
-        "Moving estimate of recomputing one block of tokens on this engine (tier=engine).",
+        "Moving estimate of what recomputing one block of tokens adds to this engine's "
+        "steps (tier=engine).",
+    ),
+    TierMetric(
+        "cost_step_fixed_seconds",
+        "gauge",
+        "What this engine's steps cost whatever they compute, taken out of the recompute "
+        "estimate (tier=engine; 0 where the estimate is the average per token of steps).",
     ),
 )
 METRICS: dict[str, TierMetric] = {m.key: m for m in _METRICS}
