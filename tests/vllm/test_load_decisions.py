@@ -25,6 +25,7 @@ with_engines = engines  # the fixture, under this module's name too
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext  # noqa: E402
 
 from kvtier.offload.tier_metrics import METRICS  # noqa: E402
+from kvtier.vllm.offloading.remote_runs import PromptChain  # noqa: E402
 
 SLOW = 0.2  # seconds added to each Redis round trip by the proxy
 
@@ -289,13 +290,17 @@ def test_a_load_is_timed_from_when_its_tier_took_it_and_kept_if_done_in_time_to_
     assert reader.block_bytes(12) != bytes(BLOCK_BYTES)
 
 
-def told_prompt(engine: Engine, keys: list[bytes], req_id: str) -> ReqContext:
-    """A request as `KvtierConnector` hands it over: its length told to the manager, and
+def told_prompt(
+    engine: Engine, keys: list[bytes], req_id: str, with_keys: bool = False
+) -> ReqContext:
+    """A request as `KvtierConnector` hands it over: its length told to the manager (and
+    `with_keys`, its keys, as the connector reads them from vLLM's block hashes), and
     each key's end token recorded (as vLLM's scheduler records them)."""
     ctx = ReqContext(req_id=req_id)
     for i, key in enumerate(keys):
         ctx.set_offload_key_position(key, (i + 1) * TOKENS)
-    engine.manager.note_prompt(req_id, len(keys) * TOKENS)
+    chain = PromptChain([k[:-4] for k in keys], 1, 0) if with_keys else None
+    engine.manager.note_prompt(req_id, len(keys) * TOKENS, chain)
     return ctx
 
 
@@ -466,6 +471,37 @@ def test_a_prompt_this_engine_stored_is_waited_for_after_a_run_of_new_ones(
     ctx = told_prompt(reader, own, "own")
     assert scan(reader, own, ctx) is None  # waits for Redis's answer
     assert settle(reader, own, ctx) == 8
+    assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
+
+
+def test_a_next_turn_waits_only_for_what_this_engine_stored(
+    engines: list[Engine], redis_proxy: tuple[RedisServer, ShapingProxy]
+) -> None:
+    """A conversation's next turn: its history (2 blocks) is what this engine stored in
+    Redis, its new part (6 blocks) is not. Through a link adding 0.2 s, with 0.1 s a
+    block to recompute, a lookup that could bring all 8 blocks back is worth waiting for,
+    the history alone is not (a round trip to load 0.2 s of recompute): told the
+    prompt's keys, the request goes on at once; not told them (another connector), it
+    waits for the answer, as before."""
+    _, proxy = redis_proxy
+    reader = Engine({"cpu_bytes_to_use": 8 * BLOCK_BYTES, "redis_url": proxy.url})
+    engines.append(reader)
+    told, untold, newer = keys_of(2, start=700), keys_of(2, start=710), keys_of(8, start=800)
+    reader.compute([0, 1, 2, 3], seed=4)
+    reader.store(told + untold, [0, 1, 2, 3])
+    reader.compute(list(range(8)), seed=5)
+    reader.store(newer, list(range(8)))  # the CPU tier now holds only these
+    assert reader.manager.local.lookup([k[:-4] for k in told + untold]) == 0
+    cost = reader.manager.cost
+    assert cost is not None
+    proxy.reshape(LinkProfile.round_trip(SLOW))
+    for _ in range(40):
+        cost.observe_round_trip("redis", SLOW)
+    recompute_per_block(reader, 0.1)
+    prompt = told + keys_of(6, start=900)
+    assert scan(reader, prompt, told_prompt(reader, prompt, "told", with_keys=True)) == 0
+    prompt = untold + keys_of(6, start=910)
+    assert scan(reader, prompt, told_prompt(reader, prompt, "untold")) is None  # waits
     assert reader.manager.wait_lookups(timeout=30)  # none left in flight at teardown
 
 

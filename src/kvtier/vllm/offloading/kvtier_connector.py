@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from kvtier.vllm.offloading.extra_config import parse_extra_config
 from kvtier.vllm.offloading.job_specs import WorkerReport
 from kvtier.vllm.offloading.offloading_spec import TOTAL_KV_HEADS, UNDER_KVTIER_CONNECTOR
+from kvtier.vllm.offloading.remote_runs import PromptChain
 from kvtier.vllm.version import check_vllm_version
 
 log = logging.getLogger(__name__)
@@ -181,13 +182,24 @@ class KvtierConnector(OffloadingConnector):
         manager = getattr(self.connector_scheduler, "manager", None)
         note = getattr(manager, "note_prompt", None)
         if note is not None:
-            note(request.request_id, request.num_tokens)
+            note(request.request_id, request.num_tokens, self._prompt_chain(request))
         hold = getattr(manager, "held_lookups", None)
         with nullcontext() if hold is None else hold():  # the walk's lookups in one trip
             matched: tuple[int | None, bool] = super().get_num_new_matched_tokens(
                 request, num_computed_tokens
             )
         return matched
+
+    def _prompt_chain(self, request: Any) -> PromptChain | None:
+        """The request's offload keys of its first KV-cache group, as vLLM's scheduler
+        side makes them (`update_offload_keys`: a chunk's key is its last block's hash
+        and the group), read by the manager only where it needs them."""
+        config = getattr(self.connector_scheduler, "config", None)
+        groups = getattr(config, "kv_group_configs", None)
+        hashes = getattr(request, "block_hashes", None)
+        if not groups or hashes is None:
+            return None
+        return PromptChain(hashes, groups[0].hashes_per_chunk, groups[0].group_idx)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)

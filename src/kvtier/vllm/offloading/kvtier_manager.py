@@ -76,7 +76,7 @@ from kvtier.vllm.offloading.job_specs import (
     Part,
     WorkerReport,
 )
-from kvtier.vllm.offloading.remote_runs import RemoteRuns, plan_of
+from kvtier.vllm.offloading.remote_runs import PromptChain, RemoteRuns, plan_of
 from kvtier.vllm.offloading.tier_stats import TierStats
 
 log = logging.getLogger(__name__)
@@ -216,6 +216,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self.chain = TierChain(members, promote=False)
         self._found: OrderedDict[BlockHash, str] = OrderedDict()
         self._prompt_tokens: dict[str, int] = {}  # by request id (see note_prompt)
+        self._prompt_chains: dict[str, PromptChain] = {}  # by request id (see note_prompt)
         self._failed_stores: set[tuple[str, BlockHash]] = set()
         self._disk_loading = 0  # disk blocks of the loads in flight (see _disk_worth_loading)
         self._failed_loads: set[BlockHash] = set()
@@ -283,6 +284,8 @@ class KvtierOffloadingManager(OffloadingManager):
                 return self._local_answer(block_hash, req_context, key)
             if plan.end is None or pos >= plan.end:
                 plan.end = self._prompt_end(key, req_context, pos)
+            if plan.stored is None:  # the request's first Redis block (see `_stored_run`)
+                plan.stored_run = self._stored_run(key, req_context)
             return self._runs.lookup(block_hash, plan, pos)
         if self._local_hit(block_hash):
             return self._local_answer(block_hash, req_context, key)
@@ -298,11 +301,31 @@ class KvtierOffloadingManager(OffloadingManager):
         self.tier_stats.add("hit_blocks", "redis", 1)
         return self._hit(block_hash, REMOTE)
 
-    def note_prompt(self, req_id: str, num_tokens: int) -> None:
-        """The request's length, from the connector before each of vLLM's lookups of it:
-        what a Redis lookup could save is known from its first key (see `remote_runs`)."""
+    def note_prompt(self, req_id: str, num_tokens: int, chain: PromptChain | None = None) -> None:
+        """The request's length and keys, from the connector before each of vLLM's
+        lookups of it: what a Redis lookup could save is known from its first key (see
+        `remote_runs`), and how much of it this engine stored (`_stored_run`)."""
         if self._runs is not None or self._cpu_core is not None:  # Redis, or a disk
             self._prompt_tokens[req_id] = num_tokens
+            if chain is not None and self._runs is not None:
+                self._prompt_chains[req_id] = chain
+
+    def _stored_run(self, key: OffloadKey, req_context: ReqContext) -> int | None:
+        """How many of the request's blocks from `key` on this engine stored in Redis
+        itself (`stored_here`, in the order of the prompt's keys, `note_prompt`); None
+        where the keys are not known or do not match."""
+        chain = self._prompt_chains.get(req_context.req_id)
+        stored_here = getattr(self.remote, "stored_here", None)
+        end_token = req_context.get_offload_key_position(key)
+        if chain is None or stored_here is None or end_token is None or self.cost is None:
+            return None
+        chunk = int(end_token) // self.cost.tokens_per_block - 1
+        if chain.key(chunk) != key:
+            return None
+        run = 0
+        while (k := chain.key(chunk + run)) is not None and stored_here(self._hash_of(k)):
+            run += 1
+        return run
 
     def _prompt_end(self, key: OffloadKey, req_context: ReqContext, pos: int) -> int | None:
         """One past the position of the request's last whole block, from the key at
@@ -472,6 +495,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         """A request that loaded blocks and stored none uses them now (see `_RequestUse`)."""
         self._prompt_tokens.pop(req_context.req_id, None)
+        self._prompt_chains.pop(req_context.req_id, None)
         use = _use_of(req_context)
         if use.loaded:
             self._use(use.loaded)

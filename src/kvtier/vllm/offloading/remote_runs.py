@@ -11,16 +11,34 @@ request's context) and the background lookups' answers.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 
 from kvtier.connector.cost_model import CostModel
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.types import BlockHash
 from kvtier.vllm.offloading.job_specs import REMOTE
 from kvtier.vllm.offloading.tier_stats import TierStats
+
+
+@dataclass(frozen=True)
+class PromptChain:
+    """A request's offload keys (of its first KV-cache group), from vLLM's block hashes
+    as its scheduler side makes them: chunk i's key is the hash of its last block with
+    the group's index. Read only where a decision needs them (`stored_run`)."""
+
+    block_hashes: Sequence[bytes]
+    hashes_per_chunk: int
+    group_idx: int
+
+    def key(self, chunk: int) -> OffloadKey | None:
+        """Chunk `chunk`'s key; None past the prompt's last whole chunk."""
+        i = (chunk + 1) * self.hashes_per_chunk - 1
+        if chunk < 0 or i >= len(self.block_hashes):
+            return None
+        return make_offload_key(self.block_hashes[i], self.group_idx)
 
 
 @dataclass
@@ -52,12 +70,24 @@ class LookupPlan:
     # this engine stored the first block it asks Redis about (which hit share applies:
     # `CostModel.hit_share`); None until that block is known
     stored: bool | None = None
+    # how many blocks from that first one on this engine stored (`stored_run`); None:
+    # not known (the connector gave no keys)
+    stored_run: int | None = None
     # it waits and loads to measure a tier whose loads are not worth waiting for (None:
     # not decided; see `RemoteRuns.lookup`)
     probe: bool | None = None
     # positions whose decision is counted (`decided`): vLLM asks a waiting request
     # again on every step it cannot schedule it, and each pass decides again
     counted: set[int] = field(default_factory=set)
+
+    def blocks_to_find(self, pos: int, stored: bool) -> int:
+        """What a lookup from `pos` could find: the prompt's blocks from there on
+        (`blocks_left`), and of a run this engine stored, no more than it stored: a
+        conversation's next turn finds its history, not its new part, and waiting for
+        its lookup as if the whole prompt could come back held second turns 0.25 s to
+        save 0.18 (a bench_serving run, Redis 200 ms away)."""
+        blocks = self.blocks_left(pos)
+        return min(blocks, self.stored_run) if stored and self.stored_run else blocks
 
     def blocks_left(self, pos: int) -> int:
         """The prompt's blocks from `pos` on: from its length where known, else those
@@ -166,7 +196,7 @@ class RemoteRuns:
             now = self.clock()
             if plan.waiting_since is None:
                 plan.waiting_since = now
-            blocks = plan.blocks_left(pos)
+            blocks = plan.blocks_to_find(pos, stored)
             found = bool(plan.answers.get(plan.keys[pos]))  # Redis holds the run's head
             behind = self._behind_s(plan)
             # before the prompt's length is known, a first pass cannot tell what the
@@ -258,7 +288,7 @@ class RemoteRuns:
         if plan.end is None or pos + 1 < len(plan.keys) or plan.keys[pos] in plan.answers:
             return False
         waited = 0.0 if plan.waiting_since is None else self.clock() - plan.waiting_since
-        timeout = self.cost.sync_wait_s("redis", plan.blocks_left(pos), waited, stored)
+        timeout = self.cost.sync_wait_s("redis", plan.blocks_to_find(pos, stored), waited, stored)
         wait = getattr(self.remote, "wait_lookups", None)
         if timeout <= 0 or wait is None:
             return False
