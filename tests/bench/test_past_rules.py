@@ -6,13 +6,16 @@ as they are (worked by hand)."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from pathlib import Path
 
 import pytest
-from benchmarks.class_ceiling import class_ceiling
+from benchmarks.class_ceiling import SignalClasses, UseClasses, class_ceiling
+from benchmarks.hit_density import OnlineClasses
 from benchmarks.past_rules import past_rules_hits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.sim import load_workload
 from tests.bench.test_class_ceiling import one_class, parity
 from tests.sim.test_prefix_bound import Requests, chained_requests
 
@@ -71,3 +74,21 @@ def test_bad_input_is_refused() -> None:
         past_rules_hits([[1], [1]], 1, one_class, segments=3)
     with pytest.raises(ValueError, match="request 0: 0 classes for 1 blocks"):
         past_rules_hits([[1]], 1, lambda t, ids: [], segments=1)
+
+
+# The README's ceiling table, "learned" rows (`.venv/bin/python -m benchmarks.bench_prefix_gap`):
+# block hits on the public trace at 1% and 5% of its unique blocks (288,500 references),
+# rules learned from earlier tenths for reuse's signals, hit density's online classes and
+# every request-level signal
+PAST_RULES_GOLDEN = {
+    1827: (31035.336, 31478.195, 27997.100),
+    9139: (64837.913, 65688.255, 57774.376),
+}
+
+
+@pytest.mark.parametrize("capacity", sorted(PAST_RULES_GOLDEN))
+def test_golden_on_conversation_trace(conversation_trace_path: Path, capacity: int) -> None:
+    ids = [list(r) for r in load_workload(conversation_trace_path).block_ids]
+    classes = (UseClasses, OnlineClasses, SignalClasses)
+    found = [past_rules_hits(ids, capacity, c()) for c in classes]
+    assert found == pytest.approx(PAST_RULES_GOLDEN[capacity], abs=1e-3)
