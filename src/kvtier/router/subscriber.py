@@ -9,7 +9,11 @@ applies batches in order, once each:
   socket when there is one (asked again when its answer stalls), else counted as
   missed;
 - a number lower than expected means the engine restarted: what it held is gone,
-  its entries are dropped and the new stream is followed from its start;
+  its entries are dropped and the new stream is followed from its start; unless it is
+  a batch already applied, the same bytes (a replay answers every buffered batch from
+  the number asked, newer ones too, and those still arrive live after it: taken for a
+  restart, they dropped the engine's entries, and a busy engine's next turn was routed
+  elsewhere, the router flake of stops 41, 51 and 55);
 - `resync()` (the engine was taken out and is back, or the router just started)
   drops the engine's entries and rebuilds them from the replay buffer.
 
@@ -23,6 +27,7 @@ import logging
 from dataclasses import dataclass
 
 import msgspec
+import xxhash
 import zmq
 import zmq.asyncio
 
@@ -33,6 +38,8 @@ from kvtier.router.index import BlockIndex
 log = logging.getLogger(__name__)
 _END = (-1).to_bytes(8, "big", signed=True)
 REPLAY_ATTEMPTS = 3  # replay requests that time out before a gap is counted missed
+# batches whose digest is kept, to tell a live copy of a replayed batch from a restart
+RECENT_BATCHES = 4096
 
 
 @dataclass
@@ -61,6 +68,7 @@ class EventSubscriber:
         self._ctx = ctx
         self._decoder = EventDecoder()
         self._expected: int | None = None
+        self._applied: dict[int, int] = {}  # batch number -> digest, the last ones applied
         self._resync = True  # at start: whatever the engine holds already
         self._replay_timeout_s = replay_timeout_s
         self._sub = ctx.socket(zmq.SUB)
@@ -100,6 +108,8 @@ class EventSubscriber:
         replay = self.spec.replay is not None
         expected = self._expected
         if expected is not None and seq < expected:
+            if self._applied.get(seq) == xxhash.xxh3_64_intdigest(payload):
+                return  # a live copy of a batch a replay brought
             log.info(
                 "engine %s restarted its KV events (batch %d, expected %d)",
                 self.spec.name,
@@ -109,6 +119,7 @@ class EventSubscriber:
             self.counters.restarts += 1
             self.index.drop_engine(self.spec.name, keep_routed=True)
             self._expected = expected = None
+            self._applied.clear()
         if replay and seq > (expected or 0):
             await self._replay(expected or 0)
         if self._expected is not None and seq < self._expected:
@@ -119,6 +130,10 @@ class EventSubscriber:
 
     def _apply(self, seq: int, payload: bytes) -> None:
         self._expected = seq + 1
+        applied = self._applied
+        applied[seq] = xxhash.xxh3_64_intdigest(payload)
+        if len(applied) > 2 * RECENT_BATCHES:
+            self._applied = {k: v for k, v in applied.items() if k > seq - RECENT_BATCHES}
         self.counters.batches += 1
         try:
             batch = self._decoder.decode(payload)
