@@ -17,7 +17,9 @@ import pytest
 import zmq.asyncio
 
 from kvtier.router import EngineSpec, PromptHasher, RouterConfig, Tier
+from kvtier.router.index import BlockIndex
 from kvtier.router.proxy import Router
+from kvtier.router.subscriber import EventCounters
 from tests.router.fakes import FakeEngine, FakePublisher, removed, stored, until
 
 BLOCK = 16
@@ -298,14 +300,20 @@ def test_malformed_events_are_counted_and_skipped(tmp_path: Path) -> None:
     run(scenario)
 
 
+async def with_a_gap(s: Setup) -> tuple[FakePublisher, BlockIndex, EventCounters]:
+    """Once e0's start-up replay is in: a batch lost on the way, then one that arrives."""
+    pub, index = s.publishers[0], s.router.index
+    counters = s.router.engines["e0"].subscriber.counters  # type: ignore[union-attr]
+    await until(lambda: pub.replays >= 1, "the start-up replay")
+    pub.publish([stored(HASHES[:1])], send=False)  # lost on the way
+    pub.publish([stored(HASHES[1:2])])
+    return pub, index, counters
+
+
 def test_missed_batches_are_replayed_and_a_restart_drops_the_engine(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with setup(tmp_path) as s:
-            pub, index = s.publishers[0], s.router.index
-            counters = s.router.engines["e0"].subscriber.counters  # type: ignore[union-attr]
-            await until(lambda: pub.replays >= 1, "the start-up replay")
-            pub.publish([stored(HASHES[:1])], send=False)  # lost on the way
-            pub.publish([stored(HASHES[1:2])])
+            pub, index, counters = await with_a_gap(s)
             await until(lambda: index.held_blocks("e0") == 2, "the gap filled")
             assert counters.missed == 0 and counters.replayed >= 1
             pub.publish([removed(HASHES[:1])])
@@ -327,11 +335,7 @@ def test_batches_a_replay_brought_that_still_arrive_live_are_no_restart(tmp_path
 
     async def scenario() -> None:
         async with setup(tmp_path) as s:
-            pub, index = s.publishers[0], s.router.index
-            counters = s.router.engines["e0"].subscriber.counters  # type: ignore[union-attr]
-            await until(lambda: pub.replays >= 1, "the start-up replay")
-            pub.publish([stored(HASHES[:1])], send=False)  # lost on the way
-            pub.publish([stored(HASHES[1:2])])  # arrives, and asks the gap's replay
+            pub, index, counters = await with_a_gap(s)  # its live batch asks the replay
             pub.publish([stored(HASHES[2:3])])  # buffered before the replay: in it, and live
             await until(lambda: index.held_blocks("e0") == 3, "the three blocks")
             pub.publish([stored(HASHES[3:4])])  # after the live copy, in order
