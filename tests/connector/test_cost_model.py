@@ -193,6 +193,20 @@ def test_a_load_behind_others_in_flight_waits_for_them() -> None:
         cost.worth_loading("disk", 10, queued=-1)
 
 
+def test_a_load_that_saves_blocks_a_faster_tier_holds_is_weighed_against_them_all() -> None:
+    """A run of ten from its first slow block, six of which a faster tier holds: loading
+    the four slow ones saves recomputing all ten (declined at its first slow block, vLLM
+    recomputes from there on)."""
+    cost = model()
+    cost.observe_step(TOKENS * 10, 0.1)  # 10 ms a block
+    cost.observe_load("disk", 10, 0.2)  # 20 ms a block
+    assert not cost.worth_loading("disk", 4)  # 80 ms against 40
+    assert cost.worth_loading("disk", 4, saves=10)  # against 100
+    assert not cost.worth_loading("disk", 4, queued=2, saves=10)  # 120 ms
+    with pytest.raises(ValueError, match="saves=3 blocks; at least the 4 loaded"):
+        cost.worth_loading("disk", 4, saves=3)
+
+
 def test_a_lookup_whose_first_block_was_found_is_waited_for_its_whole_saving() -> None:
     cost = model()
     cost.observe_step(TOKENS * 10, 0.1)

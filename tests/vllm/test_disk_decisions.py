@@ -18,6 +18,7 @@ with_engines = engines  # the fixture, under this module's name too
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext  # noqa: E402
 
 from kvtier.offload.tier_metrics import METRICS  # noqa: E402
+from kvtier.vllm.offloading.remote_runs import PromptChain  # noqa: E402
 
 
 def disk_engine(
@@ -121,6 +122,42 @@ def test_a_disk_run_behind_the_loads_in_flight_waits_for_them_and_may_not_pay(
 
     assert [ask(f"r{i}") for i in range(4)] == [6, 6, 2, 2]
     assert decided(engine, "recompute") == 2  # each declined run's first block
+
+
+def test_a_disk_run_that_ends_before_the_prompt_is_judged_by_its_own_blocks(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    """The prompt's keys (the connector's `PromptChain`) say where its local run ends:
+    here six blocks of twelve, the last six new. What loading saves is the run's
+    recompute (what follows it is recomputed either way): its four disk blocks behind
+    eight in flight take 120 ms against 120 ms of recompute, no faster, so recomputed.
+    Judged as if the run reached the prompt's end (as with its length alone), the same
+    queue looked worth it: 180 ms against 300."""
+    engine, keys = disk_engine(engines, tmp_path)
+    costs(engine, recompute_s=0.03, disk_s=0.01)
+    manager = engine.manager
+    new = keys_of(6, start=2000)
+    prompt = keys + new
+    hashes = [k[:-4] for k in prompt]
+
+    def ask(req_id: str, chain: PromptChain | None) -> int:
+        ctx = ReqContext(req_id=req_id)
+        for i, key in enumerate(prompt):
+            ctx.set_offload_key_position(key, (i + 1) * TOKENS)
+        manager.note_prompt(req_id, len(prompt) * TOKENS, chain)
+        hits = 0
+        for key in prompt:
+            if manager.lookup(key, ctx) is not LookupResult.HIT:
+                break
+            hits += 1
+        return hits
+
+    manager._disk_loading = 8  # two other requests' runs of four, in flight
+    assert ask("by-length", None) == 6  # the kind judgment of old
+    assert ask("by-keys", PromptChain(hashes, 1, 0)) == 2
+    assert decided(engine, "recompute") == 1
+    manager._disk_loading = 4  # one request's run in flight: 80 ms against 120
+    assert ask("by-keys-again", PromptChain(hashes, 1, 0)) == 6
 
 
 def test_a_disk_recomputed_around_is_measured_again_now_and_then(

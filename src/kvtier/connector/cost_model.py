@@ -221,18 +221,26 @@ class CostModel:
         return min(int(PREFETCH_SHARE * rtt / per_block + 1e-9), MAX_PREFETCH_BLOCKS)
 
     def worth_loading(
-        self, tier: str, num_blocks: int, prefetched: int = 0, queued: int = 0
+        self,
+        tier: str,
+        num_blocks: int,
+        prefetched: int = 0,
+        queued: int = 0,
+        saves: int | None = None,
     ) -> bool:
         """Whether loading `num_blocks` from `tier` (the first `prefetched` of them read
         whole by their lookup; behind `queued` blocks of loads already in flight, which
-        it waits for) is predicted faster than recomputing them (always, in mode "always"
-        or before either side was measured)."""
+        it waits for) is predicted faster than recomputing them, or the `saves` blocks
+        that a decline would recompute, where those are more (a run whose other blocks a
+        faster tier holds); always in mode "always" or before either side was measured."""
         if self.config.mode == "always" or num_blocks < 1:
             return True
         if queued < 0:
             raise ValueError(f"queued blocks must be >= 0, got {queued}")
+        if saves is not None and saves < num_blocks:
+            raise ValueError(f"saves={saves} blocks; at least the {num_blocks} loaded")
         load = self.load_seconds(tier, num_blocks + queued, prefetched)
-        recompute = self.recompute_seconds(num_blocks)
+        recompute = self.recompute_seconds(num_blocks if saves is None else saves)
         if load is None or recompute is None:
             return True
         return load < recompute

@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import cast
+from typing import Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -231,6 +231,7 @@ class KvtierOffloadingManager(OffloadingManager):
         # the CPU tier's block status under a disk tier: a local hit not ready there is
         # the disk's, decided by the cost model (None: no disk tier)
         self._cpu_core = tiers["cpu"] if "disk" in tiers else None
+        self._disk_core = tiers.get("disk")
         self.cost = cost
         self.clock = clock
         self.tier_stats = TierStats(
@@ -307,23 +308,31 @@ class KvtierOffloadingManager(OffloadingManager):
         `remote_runs`), and how much of it this engine stored (`_stored_run`)."""
         if self._runs is not None or self._cpu_core is not None:  # Redis, or a disk
             self._prompt_tokens[req_id] = num_tokens
-            if chain is not None and self._runs is not None:
+            if chain is not None:
                 self._prompt_chains[req_id] = chain
 
     def _stored_run(self, key: OffloadKey, req_context: ReqContext) -> int | None:
         """How many of the request's blocks from `key` on this engine stored in Redis
-        itself (`stored_here`, in the order of the prompt's keys, `note_prompt`); None
-        where the keys are not known or do not match."""
-        chain = self._prompt_chains.get(req_context.req_id)
+        itself (`stored_here`); None where not known (`_run_from`)."""
         stored_here = getattr(self.remote, "stored_here", None)
+        if stored_here is None:
+            return None
+        return self._run_from(key, req_context, lambda h: bool(stored_here(h)))
+
+    def _run_from(
+        self, key: OffloadKey, req_context: ReqContext, holds: Callable[[BlockHash], bool]
+    ) -> int | None:
+        """How many of the request's blocks from `key` on, in the order of the prompt's
+        keys (`note_prompt`), `holds`; None where the keys are not known or do not match."""
+        chain = self._prompt_chains.get(req_context.req_id)
         end_token = req_context.get_offload_key_position(key)
-        if chain is None or stored_here is None or end_token is None or self.cost is None:
+        if chain is None or end_token is None or self.cost is None:
             return None
         chunk = int(end_token) // self.cost.tokens_per_block - 1
         if chain.key(chunk) != key:
             return None
         run = 0
-        while (k := chain.key(chunk + run)) is not None and stored_here(self._hash_of(k)):
+        while (k := chain.key(chunk + run)) is not None and holds(self._hash_of(k)):
             run += 1
         return run
 
@@ -359,8 +368,7 @@ class KvtierOffloadingManager(OffloadingManager):
         core, cost = self._cpu_core, self.cost
         if core is None or cost is None:
             return True
-        block = core.get_block(block_hash)
-        if block is not None and block.ref_cnt >= 0:
+        if _ready(core, block_hash):
             return True
         run: _DiskRun | None = req_context.get_state(_DiskRun)
         if run is None:
@@ -374,16 +382,34 @@ class KvtierOffloadingManager(OffloadingManager):
         return run.load
 
     def _disk_worth_loading(self, key: OffloadKey, req_context: ReqContext) -> bool:
-        """Whether the request's run of disk blocks from `key` on is worth loading: its
-        blocks' read, behind the disk blocks of the loads already in flight (the disk's
-        reads are shared: a run waits for those ahead of it), against recomputing them.
-        The run is taken to reach the prompt's end (the connector gives its length,
-        `note_prompt`; a run that ends sooner is judged a little kindly); where the length
-        is not known (vLLM's own connector), per block, with no queue. Judged per block
+        """Whether the request's local run from `key` on is worth loading: the read of its
+        disk blocks (those not ready in the CPU tier), behind the disk blocks of the loads
+        already in flight (the disk's reads are shared: a run waits for those ahead of
+        it), against recomputing the whole run (declined at its first disk block, vLLM
+        recomputes from there; what follows the run is recomputed either way). The run
+        is read from the prompt's keys (`_run_from`); where only the prompt's length is
+        known, it is taken to reach the prompt's end, all of it on disk (judged kindly: a
+        queue counted against a run four blocks long was weighed against ten); where
+        neither is (vLLM's own connector), per block, with no queue. Judged per block
         alone, a saturated engine's loads were all decided and queued behind each other
         past their deadlines (50 ms a block file: 192 blocks given up in one run)."""
         cost = self.cost
         assert cost is not None
+        on_disk = 0  # of the run's blocks, those to read from the disk (not counted
+        # as lookups: the tiers' lookup counters are vLLM's questions)
+
+        def holds(block_hash: BlockHash) -> bool:
+            nonlocal on_disk
+            if _ready(self._cpu_core, block_hash):
+                return True
+            if _ready(self._disk_core, block_hash):
+                on_disk += 1
+                return True
+            return False
+
+        run = self._run_from(key, req_context, holds)
+        if run is not None and on_disk:
+            return cost.worth_loading("disk", on_disk, queued=self._disk_loading, saves=run)
         blocks = self._blocks_to_end(key, req_context)
         if blocks is None:
             return cost.worth_loading("disk", 1)
@@ -757,3 +783,9 @@ class KvtierOffloadingManager(OffloadingManager):
         if self._on_close is not None:
             self._on_close()
             self._on_close = None
+
+
+def _ready(core: Any, block_hash: BlockHash) -> bool:
+    """Whether a tier's block status says the block is there to load (uncounted)."""
+    block = None if core is None else core.get_block(block_hash)
+    return block is not None and block.ref_cnt >= 0
