@@ -5,12 +5,15 @@ would give it; a stalled disk is the disk store's I/O hook waiting on an event."
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 from kvtier.connector.cost_model import PROBE_EVERY
+from tests.remote.conftest import serve_redis
 from tests.vllm.test_offloading_spec import BLOCK_BYTES, TOKENS, Engine, engines, keys_of
 
 with_engines = engines  # the fixture, under this module's name too
@@ -22,17 +25,18 @@ from kvtier.vllm.offloading.remote_runs import PromptChain  # noqa: E402
 
 
 def disk_engine(
-    engines: list[Engine], tmp_path: Path, cpu_blocks: int = 2
+    engines: list[Engine], tmp_path: Path, cpu_blocks: int = 2, **extra: object
 ) -> tuple[Engine, list[bytes]]:
     """Six blocks written through to disk, loaded back head first: the disk holds all
     six, the CPU tier (two blocks by default) the first two (the load promoted them)."""
     engine = Engine(
         {
             "cpu_bytes_to_use": cpu_blocks * BLOCK_BYTES,
-            "disk_path": str(tmp_path),
+            "disk_path": str(tmp_path / "disk"),
             "disk_bytes_to_use": 64 * (BLOCK_BYTES + 128),
             "disk_writes": "write_through",
         }
+        | extra
     )
     engines.append(engine)
     keys = keys_of(6, start=900)
@@ -124,40 +128,48 @@ def test_a_disk_run_behind_the_loads_in_flight_waits_for_them_and_may_not_pay(
     assert decided(engine, "recompute") == 2  # each declined run's first block
 
 
+@pytest.mark.parametrize("redis", [False, True], ids=["local", "over-redis"])
 def test_a_disk_run_that_ends_before_the_prompt_is_judged_by_its_own_blocks(
-    engines: list[Engine], tmp_path: Path
+    engines: list[Engine], tmp_path: Path, redis: bool
 ) -> None:
     """The prompt's keys (the connector's `PromptChain`) say where its local run ends:
     here six blocks of twelve, the last six new. What loading saves is the run's
     recompute (what follows it is recomputed either way): its four disk blocks behind
     eight in flight take 120 ms against 120 ms of recompute, no faster, so recomputed.
     Judged as if the run reached the prompt's end (as with its length alone), the same
-    queue looked worth it: 180 ms against 300."""
-    engine, keys = disk_engine(engines, tmp_path)
-    costs(engine, recompute_s=0.03, disk_s=0.01)
-    manager = engine.manager
-    new = keys_of(6, start=2000)
-    prompt = keys + new
-    hashes = [k[:-4] for k in prompt]
+    queue looked worth it: 180 ms against 300. Over a Redis tier, which may hold what
+    follows the run (declined, it would be recomputed too), it is judged so still."""
+    with ExitStack() as stack:
+        extra = {}
+        if redis:
+            (tmp_path / "redis").mkdir()
+            server = stack.enter_context(contextlib.closing(serve_redis(tmp_path / "redis")))
+            extra = {"redis_url": next(server).url}
+        engine, keys = disk_engine(engines, tmp_path, **extra)
+        costs(engine, recompute_s=0.03, disk_s=0.01)
+        manager = engine.manager
+        new = keys_of(6, start=2000)
+        prompt = keys + new
+        hashes = [k[:-4] for k in prompt]
 
-    def ask(req_id: str, chain: PromptChain | None) -> int:
-        ctx = ReqContext(req_id=req_id)
-        for i, key in enumerate(prompt):
-            ctx.set_offload_key_position(key, (i + 1) * TOKENS)
-        manager.note_prompt(req_id, len(prompt) * TOKENS, chain)
-        hits = 0
-        for key in prompt:
-            if manager.lookup(key, ctx) is not LookupResult.HIT:
-                break
-            hits += 1
-        return hits
+        def ask(req_id: str, chain: PromptChain | None) -> int:
+            ctx = ReqContext(req_id=req_id)
+            for i, key in enumerate(prompt):
+                ctx.set_offload_key_position(key, (i + 1) * TOKENS)
+            manager.note_prompt(req_id, len(prompt) * TOKENS, chain)
+            hits = 0
+            for key in prompt:
+                if manager.lookup(key, ctx) is not LookupResult.HIT:
+                    break
+                hits += 1
+            return hits
 
-    manager._disk_loading = 8  # two other requests' runs of four, in flight
-    assert ask("by-length", None) == 6  # the kind judgment of old
-    assert ask("by-keys", PromptChain(hashes, 1, 0)) == 2
-    assert decided(engine, "recompute") == 1
-    manager._disk_loading = 4  # one request's run in flight: 80 ms against 120
-    assert ask("by-keys-again", PromptChain(hashes, 1, 0)) == 6
+        manager._disk_loading = 8  # two other requests' runs of four, in flight
+        assert ask("by-length", None) == 6  # the kind judgment of old
+        assert ask("by-keys", PromptChain(hashes, 1, 0)) == (6 if redis else 2)
+        assert decided(engine, "recompute") == (0 if redis else 1)
+        manager._disk_loading = 4  # one request's run in flight: 80 ms against 120
+        assert ask("by-keys-again", PromptChain(hashes, 1, 0)) == 6
 
 
 def test_a_disk_recomputed_around_is_measured_again_now_and_then(

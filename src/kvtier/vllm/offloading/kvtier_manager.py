@@ -386,11 +386,12 @@ class KvtierOffloadingManager(OffloadingManager):
         disk blocks (those not ready in the CPU tier), behind the disk blocks of the loads
         already in flight (the disk's reads are shared: a run waits for those ahead of
         it), against recomputing the whole run (declined at its first disk block, vLLM
-        recomputes from there; what follows the run is recomputed either way). The run
-        is read from the prompt's keys (`_run_from`); where only the prompt's length is
-        known, it is taken to reach the prompt's end, all of it on disk (judged kindly: a
-        queue counted against a run four blocks long was weighed against ten); where
-        neither is (vLLM's own connector), per block, with no queue. Judged per block
+        recomputes from there; what follows the run is recomputed either way, unless a
+        Redis tier may hold it: then to the prompt's end). The run is read from the
+        prompt's keys (`_run_from`); where only the prompt's length is known, it is taken
+        to reach the prompt's end, all of it on disk (judged kindly: a queue counted
+        against a run four blocks long was weighed against ten); where neither is
+        (vLLM's own connector), per block, with no queue. Judged per block
         alone, a saturated engine's loads were all decided and queued behind each other
         past their deadlines (50 ms a block file: 192 blocks given up in one run)."""
         cost = self.cost
@@ -409,6 +410,8 @@ class KvtierOffloadingManager(OffloadingManager):
 
         run = self._run_from(key, req_context, holds)
         if run is not None and on_disk:
+            if self.remote is not None:  # Redis may hold what follows: a decline loses it
+                run = max(run, self._blocks_to_end(key, req_context) or run)
             return cost.worth_loading("disk", on_disk, queued=self._disk_loading, saves=run)
         blocks = self._blocks_to_end(key, req_context)
         if blocks is None:
