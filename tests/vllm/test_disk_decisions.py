@@ -21,7 +21,7 @@ with_engines = engines  # the fixture, under this module's name too
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext  # noqa: E402
 
 from kvtier.offload.tier_metrics import METRICS  # noqa: E402
-from kvtier.vllm.offloading.remote_runs import PromptChain  # noqa: E402
+from kvtier.vllm.offloading.prompt_keys import PromptChain  # noqa: E402
 
 
 def disk_engine(
@@ -164,11 +164,12 @@ def test_a_disk_run_that_ends_before_the_prompt_is_judged_by_its_own_blocks(
                 hits += 1
             return hits
 
-        manager._disk_loading = 8  # two other requests' runs of four, in flight
+        assert manager.disk_runs is not None
+        manager.disk_runs.loading = 8  # two other requests' runs of four, in flight
         assert ask("by-length", None) == 6  # the kind judgment of old
         assert ask("by-keys", PromptChain(hashes, 1, 0)) == (6 if redis else 2)
         assert decided(engine, "recompute") == (0 if redis else 1)
-        manager._disk_loading = 4  # one request's run in flight: 80 ms against 120
+        manager.disk_runs.loading = 4  # one request's run in flight: 80 ms against 120
         assert ask("by-keys-again", PromptChain(hashes, 1, 0)) == 6
 
 

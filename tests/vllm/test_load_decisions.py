@@ -25,7 +25,7 @@ with_engines = engines  # the fixture, under this module's name too
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext  # noqa: E402
 
 from kvtier.offload.tier_metrics import METRICS  # noqa: E402
-from kvtier.vllm.offloading.remote_runs import PromptChain  # noqa: E402
+from kvtier.vllm.offloading.prompt_keys import PromptChain  # noqa: E402
 
 SLOW = 0.2  # seconds added to each Redis round trip by the proxy
 

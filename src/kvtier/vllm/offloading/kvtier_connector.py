@@ -57,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from kvtier.vllm.offloading.extra_config import parse_extra_config
 from kvtier.vllm.offloading.job_specs import WorkerReport
 from kvtier.vllm.offloading.offloading_spec import TOTAL_KV_HEADS, UNDER_KVTIER_CONNECTOR
-from kvtier.vllm.offloading.remote_runs import PromptChain
+from kvtier.vllm.offloading.prompt_keys import PromptChain
 from kvtier.vllm.version import check_vllm_version
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -68,6 +68,7 @@ from kvtier.offload.cascade_manager import (
 )
 from kvtier.remote.remote_manager import epoch_salt
 from kvtier.types import BlockHash
+from kvtier.vllm.offloading.disk_runs import DiskRuns
 from kvtier.vllm.offloading.job_specs import (
     LOCAL,
     REMOTE,
@@ -76,7 +77,8 @@ from kvtier.vllm.offloading.job_specs import (
     Part,
     WorkerReport,
 )
-from kvtier.vllm.offloading.remote_runs import PromptChain, RemoteRuns, plan_of
+from kvtier.vllm.offloading.prompt_keys import PromptChain, Prompts
+from kvtier.vllm.offloading.remote_runs import RemoteRuns, plan_of
 from kvtier.vllm.offloading.tier_stats import TierStats
 
 log = logging.getLogger(__name__)
@@ -118,16 +120,6 @@ class _RequestUse:
     # reschedules the request and asks again, and they must then miss, or a tier that
     # keeps failing the load (a hung disk, a stalled Redis) would be offered for ever
     failed: set[BlockHash] = field(default_factory=set)
-
-
-@dataclass
-class _DiskRun:
-    """A request's load-or-recompute decision for the blocks only the disk tier holds,
-    made at the first of them (see `KvtierOffloadingManager._disk_answer`), and the
-    blocks already counted (vLLM may ask the prompt again on a later step)."""
-
-    load: bool | None = None
-    counted: set[BlockHash] = field(default_factory=set)
 
 
 def _use_of(req_context: ReqContext) -> _RequestUse:
@@ -215,10 +207,9 @@ class KvtierOffloadingManager(OffloadingManager):
         members = [(LOCAL, local)] if remote is None else [(LOCAL, local), (REMOTE, remote)]
         self.chain = TierChain(members, promote=False)
         self._found: OrderedDict[BlockHash, str] = OrderedDict()
-        self._prompt_tokens: dict[str, int] = {}  # by request id (see note_prompt)
-        self._prompt_chains: dict[str, PromptChain] = {}  # by request id (see note_prompt)
+        # what the connector told of each request in flight (see note_prompt)
+        self.prompts = None if cost is None else Prompts(cost.tokens_per_block, self._hash_of)
         self._failed_stores: set[tuple[str, BlockHash]] = set()
-        self._disk_loading = 0  # disk blocks of the loads in flight (see _disk_worth_loading)
         self._failed_loads: set[BlockHash] = set()
         self._to_forget: set[BlockHash] = set()
         self.load_failures = 0
@@ -231,8 +222,14 @@ class KvtierOffloadingManager(OffloadingManager):
         # the CPU tier's block status under a disk tier: a local hit not ready there is
         # the disk's, decided by the cost model (None: no disk tier)
         self._cpu_core = tiers["cpu"] if "disk" in tiers else None
-        self._disk_core = tiers.get("disk")
         self.cost = cost
+        self.disk_runs = (
+            None
+            if self._cpu_core is None or cost is None or self.prompts is None
+            else DiskRuns(
+                cost, self._cpu_core, tiers["disk"], self.prompts, redis_follows=remote is not None
+            )
+        )
         self.clock = clock
         self.tier_stats = TierStats(
             tiers, block_bytes=block_bytes, file_bytes=file_bytes, remote=remote, cost=cost
@@ -284,7 +281,7 @@ class KvtierOffloadingManager(OffloadingManager):
             if self._local_hit(block_hash):
                 return self._local_answer(block_hash, req_context, key)
             if plan.end is None or pos >= plan.end:
-                plan.end = self._prompt_end(key, req_context, pos)
+                plan.end = self.prompts.end(key, req_context, pos) if self.prompts else None
             if plan.stored is None:  # the request's first Redis block (see `_stored_run`)
                 plan.stored_run = self._stored_run(key, req_context)
             return self._runs.lookup(block_hash, plan, pos)
@@ -306,50 +303,16 @@ class KvtierOffloadingManager(OffloadingManager):
         """The request's length and keys, from the connector before each of vLLM's
         lookups of it: what a Redis lookup could save is known from its first key (see
         `remote_runs`), and how much of it this engine stored (`_stored_run`)."""
-        if self._runs is not None or self._cpu_core is not None:  # Redis, or a disk
-            self._prompt_tokens[req_id] = num_tokens
-            if chain is not None:
-                self._prompt_chains[req_id] = chain
+        if self.prompts is not None and (self._runs is not None or self.disk_runs is not None):
+            self.prompts.note(req_id, num_tokens, chain)
 
     def _stored_run(self, key: OffloadKey, req_context: ReqContext) -> int | None:
         """How many of the request's blocks from `key` on this engine stored in Redis
-        itself (`stored_here`); None where not known (`_run_from`)."""
+        itself (`stored_here`); None where not known (`Prompts.run_from`)."""
         stored_here = getattr(self.remote, "stored_here", None)
-        if stored_here is None:
+        if stored_here is None or self.prompts is None:
             return None
-        return self._run_from(key, req_context, lambda h: bool(stored_here(h)))
-
-    def _run_from(
-        self, key: OffloadKey, req_context: ReqContext, holds: Callable[[BlockHash], bool]
-    ) -> int | None:
-        """How many of the request's blocks from `key` on, in the order of the prompt's
-        keys (`note_prompt`), `holds`; None where the keys are not known or do not match."""
-        chain = self._prompt_chains.get(req_context.req_id)
-        end_token = req_context.get_offload_key_position(key)
-        if chain is None or end_token is None or self.cost is None:
-            return None
-        chunk = int(end_token) // self.cost.tokens_per_block - 1
-        if chain.key(chunk) != key:
-            return None
-        run = 0
-        while (k := chain.key(chunk + run)) is not None and holds(self._hash_of(k)):
-            run += 1
-        return run
-
-    def _prompt_end(self, key: OffloadKey, req_context: ReqContext, pos: int) -> int | None:
-        """One past the position of the request's last whole block, from the key at
-        `pos`; None if unknown."""
-        blocks = self._blocks_to_end(key, req_context)
-        return None if blocks is None else pos + blocks
-
-    def _blocks_to_end(self, key: OffloadKey, req_context: ReqContext) -> int | None:
-        """The request's whole blocks from `key` (whose end token vLLM records) to its last,
-        `key`'s included, from the request's length (`note_prompt`); None if unknown."""
-        tokens = self._prompt_tokens.get(req_context.req_id)
-        end_token = req_context.get_offload_key_position(key)
-        if tokens is None or end_token is None or self.cost is None:
-            return None
-        return 1 + max(tokens - int(end_token), 0) // self.cost.tokens_per_block
+        return self.prompts.run_from(key, req_context, lambda h: bool(stored_here(h)))
 
     def _local_answer(
         self, block_hash: BlockHash, req_context: ReqContext, key: OffloadKey
@@ -359,64 +322,10 @@ class KvtierOffloadingManager(OffloadingManager):
         return _MISS
 
     def _disk_answer(self, block_hash: BlockHash, req_context: ReqContext, key: OffloadKey) -> bool:
-        """Whether a local hit is offered: always from the CPU tier; from the disk only
-        where loading beats recomputing (`cost_model`). The disk has no round trip to
-        amortise, so its cost per block decides alone: one decision per request, at its
-        first block only the disk holds, stands for the rest of its disk blocks (a
-        decline is a miss, where vLLM's prefix ends). A block being stored to the CPU
-        tier (not ready there) is the disk's."""
-        core, cost = self._cpu_core, self.cost
-        if core is None or cost is None:
-            return True
-        if _ready(core, block_hash):
-            return True
-        run: _DiskRun | None = req_context.get_state(_DiskRun)
-        if run is None:
-            run = _DiskRun()
-            req_context.set_state(run)
-        if run.load is None:
-            run.load = self._disk_worth_loading(key, req_context) or cost.probe("disk")
-        if block_hash not in run.counted:
-            run.counted.add(block_hash)
-            cost.decisions["disk", "load" if run.load else "recompute"] += 1
-        return run.load
-
-    def _disk_worth_loading(self, key: OffloadKey, req_context: ReqContext) -> bool:
-        """Whether the request's local run from `key` on is worth loading: the read of its
-        disk blocks (those not ready in the CPU tier), behind the disk blocks of the loads
-        already in flight (the disk's reads are shared: a run waits for those ahead of
-        it), against recomputing the whole run (declined at its first disk block, vLLM
-        recomputes from there; what follows the run is recomputed either way, unless a
-        Redis tier may hold it: then to the prompt's end). The run is read from the
-        prompt's keys (`_run_from`); where only the prompt's length is known, it is taken
-        to reach the prompt's end, all of it on disk (judged kindly: a queue counted
-        against a run four blocks long was weighed against ten); where neither is
-        (vLLM's own connector), per block, with no queue. Judged per block
-        alone, a saturated engine's loads were all decided and queued behind each other
-        past their deadlines (50 ms a block file: 192 blocks given up in one run)."""
-        cost = self.cost
-        assert cost is not None
-        on_disk = 0  # of the run's blocks, those to read from the disk (not counted
-        # as lookups: the tiers' lookup counters are vLLM's questions)
-
-        def holds(block_hash: BlockHash) -> bool:
-            nonlocal on_disk
-            if _ready(self._cpu_core, block_hash):
-                return True
-            if _ready(self._disk_core, block_hash):
-                on_disk += 1
-                return True
-            return False
-
-        run = self._run_from(key, req_context, holds)
-        if run is not None and on_disk:
-            if self.remote is not None:  # Redis may hold what follows: a decline loses it
-                run = max(run, self._blocks_to_end(key, req_context) or run)
-            return cost.worth_loading("disk", on_disk, queued=self._disk_loading, saves=run)
-        blocks = self._blocks_to_end(key, req_context)
-        if blocks is None:
-            return cost.worth_loading("disk", 1)
-        return cost.worth_loading("disk", blocks, queued=self._disk_loading)
+        """Whether a local hit is offered: always without a disk tier or a cost model,
+        else as `DiskRuns.offered` decides."""
+        runs = self.disk_runs
+        return True if runs is None else runs.offered(block_hash, req_context, key)
 
     def step_seconds(self, steps: list[tuple[int, float]]) -> None:
         """Engine steps the workers timed: (tokens computed, seconds)."""
@@ -479,7 +388,8 @@ class KvtierOffloadingManager(OffloadingManager):
         disk = sum(
             len(p.spec.disk_positions) for p in spec.parts if isinstance(p.spec, CascadeLoadSpec)
         )
-        self._disk_loading += disk
+        if self.disk_runs is not None:
+            self.disk_runs.loading += disk
         self._loads[frozenset(hashes)].append((taken, promoted, disk))
         return spec
 
@@ -523,8 +433,8 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """A request that loaded blocks and stored none uses them now (see `_RequestUse`)."""
-        self._prompt_tokens.pop(req_context.req_id, None)
-        self._prompt_chains.pop(req_context.req_id, None)
+        if self.prompts is not None:
+            self.prompts.forget(req_context.req_id)
         use = _use_of(req_context)
         if use.loaded:
             self._use(use.loaded)
@@ -536,7 +446,8 @@ class KvtierOffloadingManager(OffloadingManager):
         if not pending:
             raise KeyError(f"complete_load: no load in flight for these {len(hashes)} blocks")
         parts, promoted, disk = pending.popleft()
-        self._disk_loading -= disk
+        if self.disk_runs is not None:
+            self.disk_runs.loading -= disk
         if not pending:
             del self._loads[hashes]
         remote_ok = True
@@ -731,7 +642,8 @@ class KvtierOffloadingManager(OffloadingManager):
                 raise TypeError(f"{type(self.remote).__name__} cannot reset its key epoch")
             reset(epoch_salt(self.epoch))
         self._loads.clear()
-        self._disk_loading = 0
+        if self.disk_runs is not None:
+            self.disk_runs.loading = 0
         self.chain.forget()
         self._found.clear()
         self._failed_stores.clear()
@@ -786,9 +698,3 @@ class KvtierOffloadingManager(OffloadingManager):
         if self._on_close is not None:
             self._on_close()
             self._on_close = None
-
-
-def _ready(core: Any, block_hash: BlockHash) -> bool:
-    """Whether a tier's block status says the block is there to load (uncounted)."""
-    block = None if core is None else core.get_block(block_hash)
-    return block is not None and block.ref_cnt >= 0

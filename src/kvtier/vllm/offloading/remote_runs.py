@@ -11,34 +11,16 @@ request's context) and the background lookups' answers.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from kvtier.connector.cost_model import CostModel
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.types import BlockHash
 from kvtier.vllm.offloading.job_specs import REMOTE
 from kvtier.vllm.offloading.tier_stats import TierStats
-
-
-@dataclass(frozen=True)
-class PromptChain:
-    """A request's offload keys (of its first KV-cache group), from vLLM's block hashes
-    as its scheduler side makes them: chunk i's key is the hash of its last block with
-    the group's index. Read only where a decision needs them (`stored_run`)."""
-
-    block_hashes: Sequence[bytes]
-    hashes_per_chunk: int
-    group_idx: int
-
-    def key(self, chunk: int) -> OffloadKey | None:
-        """Chunk `chunk`'s key; None past the prompt's last whole chunk."""
-        i = (chunk + 1) * self.hashes_per_chunk - 1
-        if chunk < 0 or i >= len(self.block_hashes):
-            return None
-        return make_offload_key(self.block_hashes[i], self.group_idx)
 
 
 @dataclass
