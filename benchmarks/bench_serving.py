@@ -294,6 +294,14 @@ def _place_rig(
     return sorted(rest)
 
 
+def by_thread(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The CPU seconds each of a server's threads (by process title and thread name)
+    took between two readings, those of 0.05 s or more, the most first: what a side's
+    extra CPU went to (kvtier's threads are named, `kvtier.thread_names`)."""
+    used = {key: after[key] - before.get(key, 0.0) for key in after}
+    return {key: round(v, 3) for key, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.05}
+
+
 def _rig_cpu(proxy: ProxyProcess, redis_port: int) -> dict[str, float]:
     """CPU seconds so far of the shaping proxy's process and of the redis-server (its
     INFO cpu: user and system, every thread of it)."""
@@ -356,16 +364,21 @@ def _workload(
                 server, (hook, after) = servers[side], hooks[side]
                 play = partial(run_load, server.url, "model", workload, rate, seed=i, before=hook)
                 cpu_before = rig_cpu() if rig_cpu is not None and side == "kvtier" else None
-                server_before = server.cpu_seconds()
+                server_before, threads_before = server.cpu_seconds(), server.thread_cpu_seconds()
                 summary, tiers, turns = _run_side(server, play, after)
                 server_cpu = server.cpu_seconds() - server_before
                 row[side] = {**asdict(summary), "tiers": tiers, "by_turn": turns}
                 row[side]["server_cpu_s"] = server_cpu
+                row[side]["server_cpu_by_thread"] = by_thread(
+                    threads_before, server.thread_cpu_seconds()
+                )
                 rig = f", server CPU s {server_cpu:.2f}"
                 if rig_cpu is not None and cpu_before is not None:
                     used = {k: v - cpu_before[k] for k, v in rig_cpu().items()}
                     row[side]["rig_cpu_s"] = used
                     rig += ", of " + ", ".join(f"the {k} {v:.2f}" for k, v in used.items())
+                top = list(row[side]["server_cpu_by_thread"].items())[:5]
+                rig += "; by thread " + ", ".join(f"{k} {v:.2f}" for k, v in top)
                 brief = _brief(summary)
                 print(f"   {workload.name} rate {rate:.3f}/s {side}: {brief}{rig}", flush=True)
             runs.append(row)

@@ -17,11 +17,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from benchmarks.bench_serving import by_thread
 
 from kvtier.vllm.engines.chat_workloads import Workload, documents, multi_turn, unique
 from kvtier.vllm.engines.load_client import arrivals, messages_of, percentile, run_one_by_one
 from kvtier.vllm.engines.openai_server import kvtier_counters
-from kvtier.vllm.engines.sessions import compute_cores, move_processes, session_cpu_seconds
+from kvtier.vllm.engines.sessions import (
+    compute_cores,
+    move_processes,
+    session_cpu_seconds,
+    session_thread_cpu_seconds,
+)
 
 WORDS = [f"w{i}" for i in range(100)]
 
@@ -184,6 +190,44 @@ def test_a_servers_cpu_is_every_process_of_its_session() -> None:
     finally:
         leader.communicate("")
     assert leader.returncode == 0
+
+
+def test_a_servers_cpu_by_thread_names_the_thread_that_took_it() -> None:
+    """What bench_serving reports per side and run (`server_cpu_by_thread`): a thread
+    named in the kernel's lists (`kvtier.thread_names`) that burnt 0.3 CPU s counts
+    under its process's title and its name."""
+    child = """
+import sys, threading, time
+def burn():
+    open(f"/proc/self/task/{threading.get_native_id()}/comm", "w").write("kv-burn")
+    started = time.thread_time()
+    while time.thread_time() - started < 0.3:
+        pass
+    print("burnt", flush=True)
+    sys.stdin.read()
+threading.Thread(target=burn).start()
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "burnt\n"
+        threads = session_thread_cpu_seconds(proc.pid)
+        (key,) = [k for k in threads if k.endswith("/kv-burn")]
+        ticks_left_out = 2 / os.sysconf("SC_CLK_TCK")
+        assert threads[key] >= 0.3 - ticks_left_out
+        used = by_thread({}, threads)
+        assert next(iter(used)) == key  # the most first
+        assert all(v >= 0.05 for v in used.values())
+        assert by_thread(threads, threads) == {}  # nothing between two equal readings
+    finally:
+        proc.communicate("")
+    assert proc.returncode == 0
 
 
 WORKER = """

@@ -54,6 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 
 from kvtier.remote.redis_store import RedisBlockStore
+from kvtier.thread_names import named
 from kvtier.types import BlockHash
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ class AsyncLookups:
         self._multi: set[tuple[BlockHash, ...]] = set()
         # answered questions about blocks stored since (`stored`): asked again, not handed out
         self._stale: set[tuple[BlockHash, ...]] = set()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
+        self._executor = ThreadPoolExecutor(
+            1, thread_name_prefix="kvtier-remote-lookup", initializer=named("kv-redis-lookup")
+        )
         self._seconds: deque[float] = deque(maxlen=max_pending)  # appended off-thread
         # questions not sent yet: (block hashes, salt, future); taken by the thread
         self._queued: deque[tuple[list[BlockHash], str | None, Future[_Answer]]] = deque()

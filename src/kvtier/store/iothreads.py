@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvtier.thread_names import named
+
 
 class IOThreads:
     """The calling thread plus `threads - 1` helper threads, shared by all jobs."""
@@ -84,5 +86,9 @@ class IOThreads:
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=self._name)
+                self._pool = ThreadPoolExecutor(
+                    self.threads - 1,
+                    thread_name_prefix=self._name,
+                    initializer=named(self._name.replace("kvtier-", "kv-", 1)),
+                )
             return self._pool

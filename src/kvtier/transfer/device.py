@@ -28,6 +28,7 @@ import numpy.typing as npt
 import torch
 
 from kvtier.store.layout import KVLayout
+from kvtier.thread_names import name_native_thread
 
 
 def allocate_kv_caches(
@@ -140,6 +141,7 @@ def _in_new_thread(fn: Any, *args: Any) -> Any:
 def float_copy_thread() -> None:
     """Start of a copy helper thread: torch on this thread only, any core the process may
     use (a thread started by one that vLLM bound to a core would stay on that core)."""
+    name_native_thread("kv-copy")
     limit_torch_threads(1)
     if hasattr(os, "sched_setaffinity"):  # Linux; the kernel keeps only allowed cores
         with contextlib.suppress(OSError):

@@ -55,6 +55,7 @@ import numpy.typing as npt
 from kvtier.offload.abstract import LoadStoreSpec
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockStore
+from kvtier.thread_names import name_native_thread
 from kvtier.transfer.device import DeviceKV, leave_compute_cores, limit_torch_threads
 from kvtier.transfer.handlers import HostSlotHandler, StagedHandler, TransferHandler
 from kvtier.transfer.thread_priority import load_priority
@@ -166,11 +167,14 @@ class TransferWorker:
         max_queued_jobs: int = 64,
         ordered: bool = False,
         torch_threads: int | None = None,
+        name: str = "transfer",
     ) -> None:
         """`ordered=True` runs loads and stores on one thread in submission order (the
         cascade needs it: a demotion must run before any later job reuses its slots).
         `torch_threads`: how many threads each worker thread's torch copies may use
-        (None: torch's default); see `limit_torch_threads`."""
+        (None: torch's default); see `limit_torch_threads`. `name`: the tier, in its
+        threads' names ("kv-<name>-store", "-load", "-jobs" for the ordered thread,
+        "-write"; `kvtier.thread_names`)."""
         if max_queued_jobs < 1:
             raise ValueError(f"max_queued_jobs must be >= 1, got {max_queued_jobs}")
         self.max_queued_jobs = max_queued_jobs
@@ -211,17 +215,22 @@ class TransferWorker:
         if getattr(handler, "write", None) is not None:  # writes from its own slots, apart
             self._queues[WRITE] = queue.Queue(maxsize=max_queued_jobs)
             served.append(self._queues[WRITE])
+        roles = {id(self._queues[STORE]): "jobs" if ordered else "store"}
+        roles[id(self._queues[LOAD])] = "jobs" if ordered else "load"
+        if WRITE in self._queues:
+            roles[id(self._queues[WRITE])] = "write"
         self._threads = [
             threading.Thread(
                 target=self._serve,
                 args=(
                     q,
                     q is self._queues.get(WRITE) or (not ordered and q is self._queues[STORE]),
+                    f"kv-{name}-{roles[id(q)]}",
                 ),
-                name=f"kvtier-transfer-{i}",
+                name=f"kvtier-{name}-{roles[id(q)]}",
                 daemon=True,
             )
-            for i, q in enumerate(served)
+            for q in served
         ]
         self._closed = False
         # the queues still to get their thread's stop marker, and the handler's close
@@ -239,15 +248,16 @@ class TransferWorker:
         max_queued_jobs: int = 64,
         torch_threads: int | None = None,
         copy_threads: int = 1,
+        name: str = "transfer",
     ) -> TransferWorker:
         """A worker moving `kv`'s blocks to and from `store` (direct copies for memory;
-        `copy_threads`: see `HostSlotHandler`)."""
+        `copy_threads`: see `HostSlotHandler`; `name`: see `__init__`)."""
         handler: TransferHandler
         if isinstance(store, MemoryStore):
             handler = HostSlotHandler(kv, store, copy_threads=copy_threads)
         else:
             handler = StagedHandler(kv, store)
-        return cls(handler, max_queued_jobs=max_queued_jobs, torch_threads=torch_threads)
+        return cls(handler, max_queued_jobs=max_queued_jobs, torch_threads=torch_threads, name=name)
 
     # submission (scheduler thread)
 
@@ -371,9 +381,12 @@ class TransferWorker:
 
     # worker threads
 
-    def _serve(self, jobs: _JobQueue, stores_only: bool = False) -> None:
+    def _serve(self, jobs: _JobQueue, stores_only: bool = False, name: str = "") -> None:
         """`stores_only`: this thread serves no loads, which a request waits for, so it
-        copies on the cores vLLM keeps for the connector (`leave_compute_cores`)."""
+        copies on the cores vLLM keeps for the connector (`leave_compute_cores`);
+        `name`: its name in the kernel's lists."""
+        if name:
+            name_native_thread(name)
         if self._torch_threads is not None:
             limit_torch_threads(self._torch_threads)
         if stores_only:

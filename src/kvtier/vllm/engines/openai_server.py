@@ -33,7 +33,7 @@ from typing import Any
 from kvtier.net import free_port
 from kvtier.vllm.engines.compare import same_cpus_env
 from kvtier.vllm.engines.run import _pythonpath, end_session
-from kvtier.vllm.engines.sessions import session_cpu_seconds
+from kvtier.vllm.engines.sessions import session_cpu_seconds, session_thread_cpu_seconds
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,10 @@ class OpenAIServer:
         session: the API server, the engine core, its workers. A benchmark's figure
         beside its timings: what each side took from the cores both share."""
         return session_cpu_seconds(self.proc.pid)
+
+    def thread_cpu_seconds(self) -> dict[str, float]:
+        """`cpu_seconds` by process title and thread name (`session_thread_cpu_seconds`)."""
+        return session_thread_cpu_seconds(self.proc.pid)
 
     def get(self, path: str) -> str:
         with urllib.request.urlopen(self.url + path, timeout=60) as response:

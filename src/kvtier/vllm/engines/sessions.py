@@ -34,6 +34,27 @@ def session_cpu_seconds(session: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def session_thread_cpu_seconds(session: int) -> dict[str, float]:
+    """The CPU seconds of a session's live threads, summed by process title and thread
+    name ("VLLM::Worker_TP0/kvtier-transfer"; a name's trailing number dropped, so a
+    pool's threads add up): which of a server's threads took a side's extra CPU."""
+    ticks: dict[str, int] = {}
+    for pid, name, fields in _processes():
+        if int(fields[3]) != session:
+            continue
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                text = stat.read_text()
+            except OSError:
+                continue
+            thread = text[text.index("(") + 1 : text.rindex(")")].rstrip("0123456789_-")
+            after = text[text.rindex(")") + 2 :].split()
+            key = f"{name}/{thread or '?'}"
+            ticks[key] = ticks.get(key, 0) + int(after[11]) + int(after[12])
+    per_tick = 1 / os.sysconf("SC_CLK_TCK")
+    return {key: n * per_tick for key, n in ticks.items()}
+
+
 def compute_cores(sessions: Iterable[int]) -> set[int]:
     """The cores the vLLM CPU workers of these sessions are bound to (their main
     threads, where the model computes); empty where none is bound to fewer than all."""

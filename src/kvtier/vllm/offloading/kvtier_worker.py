@@ -211,15 +211,15 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     self.kv, self.memory, self.disk, copy_threads=copiers
                 )
                 self.workers[LOCAL] = TransferWorker(
-                    self._handler, ordered=True, torch_threads=threads
+                    self._handler, ordered=True, torch_threads=threads, name="local"
                 )
             else:
                 self.workers[LOCAL] = TransferWorker.for_store(
-                    self.kv, self.memory, torch_threads=threads, copy_threads=copiers
+                    self.kv, self.memory, torch_threads=threads, copy_threads=copiers, name="cpu"
                 )
             if remote is not None and remote_sharing is None:
                 self.workers[REMOTE] = TransferWorker.for_store(
-                    self.kv, remote.kv_store(layout), torch_threads=threads
+                    self.kv, remote.kv_store(layout), torch_threads=threads, name="redis"
                 )
             elif remote is not None and remote_sharing is not None:
                 shard, row = remote_sharing.shard, remote_sharing.row
@@ -227,7 +227,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     row, [t.tensor for t in kv_caches.tensors], heads=shard.count
                 )
                 self.workers[REMOTE] = TransferWorker.for_store(
-                    by_head, remote.head_store(row, shard), torch_threads=threads
+                    by_head, remote.head_store(row, shard), torch_threads=threads, name="redis"
                 )
                 self._remote_writes = shard.writes
         except BaseException:
