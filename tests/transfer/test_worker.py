@@ -6,6 +6,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from kvtier.remote.kv_store import LoadGuard
 from kvtier.store.layout import KVLayout, LayoutMismatchError
 from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockLoadError
-from kvtier.transfer import device
+from kvtier.transfer import device, handlers
 from kvtier.transfer.device import DeviceKV, coalesce_runs, count_runs
 from kvtier.transfer.handlers import HostSlotHandler, StagedHandler
 from kvtier.transfer.transfer_worker import TransferWorker
@@ -549,3 +550,76 @@ def test_a_thread_started_on_a_bound_core_stores_on_the_other_cores(
         thread.start()
         thread.join()
         assert seen["moved"] is False
+
+
+def test_store_threads_overlap_a_slow_mediums_stores_and_keep_their_order() -> None:
+    """Several store threads (`store_threads`, for a medium whose stores wait on round
+    trips): two stores run at once, each waiting for the other to begin (one thread
+    would hang here), the later one finishes first and its result still comes second.
+    An ordered worker, or a medium with discards, keeps one thread."""
+    began = threading.Barrier(2, timeout=30)
+    second_done = threading.Event()
+
+    class RoundTrips:
+        kv = random_kv(LAYOUTS[0], num_blocks=4, seed=1)
+
+        def ready_event(self) -> None:
+            return None
+
+        def store(self, device_ids: object, spec: int, ready: object) -> int:
+            began.wait()  # both in flight at once
+            if spec == 1:
+                assert second_done.wait(30)  # the first ends after the second
+            else:
+                second_done.set()
+            return 0
+
+        def load(self, spec: object, device_ids: object, ready: object = None) -> int:
+            return 0
+
+    with TransferWorker(RoundTrips(), store_threads=2) as worker:  # type: ignore[arg-type]
+        assert worker.submit_store(1, [0], 1)  # type: ignore[arg-type]
+        assert worker.submit_store(2, [1], 2)  # type: ignore[arg-type]
+        assert worker.wait([1, 2])
+        assert [(r.job_id, r.ok) for r in worker.get_finished()] == [(1, True), (2, True)]
+    kv = random_kv(PER_LAYER, num_blocks=8, seed=5)
+    for ordered in (True, False):
+        handler = GatedWrites(kv, MemoryStore(PER_LAYER, 8))
+        if not ordered:
+            handler.discard = lambda hashes: None  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match="store_threads=2; at least 1, and 1 for an"):
+            TransferWorker(handler, ordered=ordered, store_threads=2)
+    with pytest.raises(ValueError, match="store_threads=0"):
+        TransferWorker(RoundTrips(), store_threads=0)  # type: ignore[arg-type]
+
+
+def test_snapshots_take_the_rows_of_those_written_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot (a slow store's copy of its blocks, taken on the engine's thread) takes
+    rows of a size class, reused once a snapshot of that class was written out (new
+    rows cost their pages' first writes); only its own rows are written, and a pool
+    past SNAPSHOT_POOL_BYTES keeps nothing."""
+    kv = random_kv(PER_LAYER, num_blocks=16, seed=3)
+    store = DictStore(PER_LAYER)
+    handler = StagedHandler(kv, store)
+
+    def write(staging: Any, ids: list[int], spec: HashSpec) -> None:
+        spec.staged = staging  # type: ignore[attr-defined]
+        handler.store(np.array(ids), spec, None)
+
+    first = handler.snapshot(np.array([1, 2, 3]))
+    assert (len(first.rows), first.count) == (8, 3)  # the class of 8 rows, 3 in use
+    held = handler.snapshot(np.array([9, 10]))  # not written out yet: rows of its own
+    assert held is not first
+    write(first, [1, 2, 3], hashes(1, 2, 3))
+    second = handler.snapshot(np.array([4, 5]))
+    assert second is first and second.count == 2  # the same rows, written over
+    write(second, [4, 5], hashes(4, 5))
+    write(held, [9, 10], hashes(9, 10))
+    assert store.blocks == {
+        h: block_bytes(kv, i) for i in (1, 2, 3, 4, 5, 9, 10) for h in hashes(i).block_hashes
+    }
+    assert handler.snapshot(np.array(range(9))).count == 9  # the class of 16 rows
+    monkeypatch.setattr(handlers, "SNAPSHOT_POOL_BYTES", 0)
+    last = handler.snapshot(np.array([6]))
+    write(last, [6], hashes(6))
+    assert handler.snapshot(np.array([7])) is not last  # not kept

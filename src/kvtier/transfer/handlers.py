@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -39,6 +40,10 @@ from kvtier.transfer.device import (
     on_stream,
     stack_planes,
 )
+
+# host bytes of written-out snapshots kept for the next ones (`StagedHandler.snapshot`):
+# a few requests' worth of the serving model's blocks (a 32-block snapshot is 8 MiB)
+SNAPSHOT_POOL_BYTES = 64 << 20
 
 
 class TransferHandler(Protocol):
@@ -259,6 +264,9 @@ class StagedHandler:
         # no staging rows, so no copy through them and no buffer of the largest job
         self._segmented = on_cpu and not self._rows and hasattr(store, "write_segments")
         self._staging: dict[str, _Staging] = {}
+        # snapshots' rows written out and kept for the next (`snapshot`), by row count
+        self._free_snapshots: dict[int, list[_Staging]] = {}
+        self._snapshot_lock = threading.Lock()
         # on a GPU: one kernel between the device and the pinned staging rows (a
         # segment's rows are strided there, which a DMA per segment would copy slowly)
         self._kernel = KernelCopier.for_device(kv)
@@ -279,9 +287,34 @@ class StagedHandler:
         when their store is submitted (a GPU's would need the compute stream's event)."""
         if self.kv.device.type != "cpu":
             raise ValueError(f"snapshot of blocks on {self.kv.device}: a CPU device only")
-        staging = _Staging(self.kv.layout, len(device_ids), pin_memory=False)
+        staging = self._snapshot_rows(len(device_ids))
         self._to_staging(device_ids, staging)
         return staging
+
+    def _snapshot_rows(self, count: int) -> _Staging:
+        """Rows for a snapshot of `count` blocks: a written-out snapshot's of the same size
+        class (a power of two, at least 8 rows), or new ones. Taken on the engine's own
+        thread, new rows cost their pages' first writes: a 32-block snapshot (8 MiB) of
+        the serving model took 10-20 ms of every request's prefill there, 9% of the
+        worker's time at saturation with a Redis tier (bench_serving's no-reuse workload)."""
+        rows = max(8, 1 << (count - 1).bit_length())
+        with self._snapshot_lock:
+            free = self._free_snapshots.get(rows)
+            staging = free.pop() if free else None
+        if staging is None:
+            staging = _Staging(self.kv.layout, rows, pin_memory=False)
+        staging.count = count
+        staging.pool = self
+        return staging
+
+    def recycle(self, staging: _Staging) -> None:
+        """Keep a written-out snapshot's rows for the next (at most
+        SNAPSHOT_POOL_BYTES of them in all)."""
+        rows = len(staging.rows)
+        with self._snapshot_lock:
+            kept = sum(len(f) * len(f[0].rows) for f in self._free_snapshots.values() if f)
+            if (kept + rows) * self.kv.layout.bytes_per_block <= SNAPSHOT_POOL_BYTES:
+                self._free_snapshots.setdefault(rows, []).append(staging)
 
     def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
         moved = len(device_ids) * self.kv.layout.bytes_per_block
@@ -291,6 +324,8 @@ class StagedHandler:
                 staged.write_to(self.medium, spec)
             finally:
                 spec.staged = None  # type: ignore[attr-defined]  # its memory goes now
+                if isinstance(staged, _Staging) and staged.pool is self:
+                    self.recycle(staged)
             return moved
         if self._rows:
             self.medium.write_blocks(spec, self._row_views(device_ids))
@@ -408,6 +443,8 @@ class _Staging:
             self.buffer[:, k * size : (k + 1) * size] for k in range(layout.num_segments)
         ]
         self.rows = [memoryview(row) for row in self.buffer.numpy()]
+        self.count = num_rows  # the rows in use (a pooled snapshot's may be fewer)
+        self.pool: StagedHandler | None = None  # whose snapshot rows these are
 
     def write_to(self, medium: BlockStore, spec: LoadStoreSpec) -> None:
-        medium.write_blocks(spec, self.rows)
+        medium.write_blocks(spec, self.rows[: self.count])

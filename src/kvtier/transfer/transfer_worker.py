@@ -25,7 +25,12 @@ failed result (`ok=False`), and the scheduler answers with
 released in submission order per direction (a rejected job waits for the jobs
 submitted before it), so a store completes only after every earlier store of the
 same worker. Threads suffice: torch copies, file I/O, hashing and sockets all
-release the GIL.
+release the GIL. A medium whose stores wait on round trips (Redis across a network)
+may have several store threads (`store_threads`): one thread made a link adding
+200 ms a round trip a bound of five store jobs a second, the CPU slots they are sent
+from stayed pinned behind the queue, and a full CPU tier then refused new blocks,
+whose Redis copies were taken on the engine's own thread (`snapshot`). Results stay
+in submission order.
 
 Jobs that queue up behind a busy thread are run as one when the handler can merge
 their specs (the memory tier): one copy per segment over all of them instead of one
@@ -168,15 +173,26 @@ class TransferWorker:
         ordered: bool = False,
         torch_threads: int | None = None,
         name: str = "transfer",
+        store_threads: int = 1,
     ) -> None:
         """`ordered=True` runs loads and stores on one thread in submission order (the
         cascade needs it: a demotion must run before any later job reuses its slots).
+        `store_threads`: how many threads serve the stores of a worker that is not
+        ordered (a slow medium's round trips then overlap; results still come out in
+        submission order).
         `torch_threads`: how many threads each worker thread's torch copies may use
         (None: torch's default); see `limit_torch_threads`. `name`: the tier, in its
         threads' names ("kv-<name>-store", "-load", "-jobs" for the ordered thread,
         "-write"; `kvtier.thread_names`)."""
         if max_queued_jobs < 1:
             raise ValueError(f"max_queued_jobs must be >= 1, got {max_queued_jobs}")
+        if store_threads < 1 or (
+            store_threads > 1 and (ordered or getattr(handler, "discard", None) is not None)
+        ):
+            raise ValueError(
+                f"store_threads={store_threads}; at least 1, and 1 for an ordered worker or "
+                "a medium with discards (one thread keeps them in order with the stores)"
+            )
         self.max_queued_jobs = max_queued_jobs
         if torch_threads is not None and torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1 or None, got {torch_threads}")
@@ -210,7 +226,9 @@ class TransferWorker:
         self._queues: dict[str, _JobQueue] = {
             d: shared if ordered else queue.Queue(maxsize=max_queued_jobs) for d in (STORE, LOAD)
         }
-        served = [shared] if ordered else list(self._queues.values())
+        served = (
+            [shared] if ordered else [*[self._queues[STORE]] * store_threads, self._queues[LOAD]]
+        )
         self._queues[DISCARD] = self._queues[STORE]
         if getattr(handler, "write", None) is not None:  # writes from its own slots, apart
             self._queues[WRITE] = queue.Queue(maxsize=max_queued_jobs)
@@ -233,8 +251,8 @@ class TransferWorker:
             for q in served
         ]
         self._closed = False
-        # the queues still to get their thread's stop marker, and the handler's close
-        self._unstopped = {id(q): q for q in served}
+        # a queue per thread still to get its stop marker, and the handler's close
+        self._unstopped: list[_JobQueue] = list(served)
         self._close_handler: Callable[[], None] | None = getattr(handler, "close", None)
         for thread in self._threads:
             thread.start()
@@ -249,6 +267,7 @@ class TransferWorker:
         torch_threads: int | None = None,
         copy_threads: int = 1,
         name: str = "transfer",
+        store_threads: int = 1,
     ) -> TransferWorker:
         """A worker moving `kv`'s blocks to and from `store` (direct copies for memory;
         `copy_threads`: see `HostSlotHandler`; `name`: see `__init__`)."""
@@ -257,7 +276,13 @@ class TransferWorker:
             handler = HostSlotHandler(kv, store, copy_threads=copy_threads)
         else:
             handler = StagedHandler(kv, store)
-        return cls(handler, max_queued_jobs=max_queued_jobs, torch_threads=torch_threads, name=name)
+        return cls(
+            handler,
+            max_queued_jobs=max_queued_jobs,
+            torch_threads=torch_threads,
+            name=name,
+            store_threads=store_threads,
+        )
 
     # submission (scheduler thread)
 
@@ -356,13 +381,13 @@ class TransferWorker:
         with self._lock:
             self._closed = True
         deadline = None if timeout is None else time.monotonic() + timeout
-        for key in list(self._unstopped):  # each thread's queue gets its stop marker once
+        while self._unstopped:  # a stop marker for each thread, once
             try:
-                self._unstopped[key].put(_STOP, timeout=_left(deadline))
+                self._unstopped[0].put(_STOP, timeout=_left(deadline))
             except queue.Full:  # its thread hangs on a job, with a full queue behind it
                 log.warning("transfer worker: closing with a full queue; its thread hangs")
                 return False
-            del self._unstopped[key]
+            self._unstopped.pop(0)
         for thread in self._threads:
             thread.join(_left(deadline))
             if thread.is_alive():

@@ -91,6 +91,10 @@ FLUSH_BATCH = 64  # blocks per disk write of the flush at shutdown
 # before it goes on without them: a healthy disk ends a full writer queue (64 jobs) in a
 # second or two; one that hangs would otherwise keep the engine from ever stopping
 SHUTDOWN_WAIT_S = 30.0
+# Redis store jobs in flight at once, each a round trip of its own on its own connection
+# (`TransferWorker`'s `store_threads`): a Redis across a network sends a job no faster
+# than its round trip, and one at a time the queue grew behind a link adding 200 ms
+REDIS_STORE_THREADS = 4
 
 
 @dataclass
@@ -219,7 +223,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 )
             if remote is not None and remote_sharing is None:
                 self.workers[REMOTE] = TransferWorker.for_store(
-                    self.kv, remote.kv_store(layout), torch_threads=threads, name="redis"
+                    self.kv,
+                    remote.kv_store(layout),
+                    torch_threads=threads,
+                    name="redis",
+                    store_threads=REDIS_STORE_THREADS,
                 )
             elif remote is not None and remote_sharing is not None:
                 shard, row = remote_sharing.shard, remote_sharing.row
@@ -227,7 +235,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     row, [t.tensor for t in kv_caches.tensors], heads=shard.count
                 )
                 self.workers[REMOTE] = TransferWorker.for_store(
-                    by_head, remote.head_store(row, shard), torch_threads=threads, name="redis"
+                    by_head,
+                    remote.head_store(row, shard),
+                    torch_threads=threads,
+                    name="redis",
+                    store_threads=REDIS_STORE_THREADS,
                 )
                 self._remote_writes = shard.writes
         except BaseException:
