@@ -595,31 +595,32 @@ def test_store_threads_overlap_a_slow_mediums_stores_and_keep_their_order() -> N
 
 def test_snapshots_take_the_rows_of_those_written_out(monkeypatch: pytest.MonkeyPatch) -> None:
     """A snapshot (a slow store's copy of its blocks, taken on the engine's thread) takes
-    rows of a size class, reused once a snapshot of that class was written out (new
-    rows cost their pages' first writes); only its own rows are written, and a pool
-    past SNAPSHOT_POOL_BYTES keeps nothing."""
+    the rows of one of as many blocks already written out (new rows cost their pages'
+    first writes), never more rows than its blocks (what the store queue counts); the
+    pool keeps at most SNAPSHOT_POOL_COUNT snapshots, the oldest dropped first."""
     kv = random_kv(PER_LAYER, num_blocks=16, seed=3)
     store = DictStore(PER_LAYER)
     handler = StagedHandler(kv, store)
 
-    def write(staging: Any, ids: list[int], spec: HashSpec) -> None:
+    def write(staging: Any, ids: list[int]) -> None:
+        spec = hashes(*ids)
         spec.staged = staging  # type: ignore[attr-defined]
         handler.store(np.array(ids), spec, None)
 
     first = handler.snapshot(np.array([1, 2, 3]))
-    assert (len(first.rows), first.count) == (8, 3)  # the class of 8 rows, 3 in use
-    held = handler.snapshot(np.array([9, 10]))  # not written out yet: rows of its own
-    assert held is not first
-    write(first, [1, 2, 3], hashes(1, 2, 3))
-    second = handler.snapshot(np.array([4, 5]))
-    assert second is first and second.count == 2  # the same rows, written over
-    write(second, [4, 5], hashes(4, 5))
-    write(held, [9, 10], hashes(9, 10))
+    held = handler.snapshot(np.array([9, 10, 11]))  # not written out yet: rows of its own
+    assert held is not first and len(first.rows) == 3
+    write(first, [1, 2, 3])
+    again = handler.snapshot(np.array([4, 5, 6]))
+    assert again is first  # the same rows, written over
+    assert handler.snapshot(np.array([7, 8])) is not first  # two rows: new ones
+    write(again, [4, 5, 6])
+    write(held, [9, 10, 11])
     assert store.blocks == {
-        h: block_bytes(kv, i) for i in (1, 2, 3, 4, 5, 9, 10) for h in hashes(i).block_hashes
+        hashes(i).block_hashes[0]: block_bytes(kv, i) for i in range(1, 12) if i not in (7, 8)
     }
-    assert handler.snapshot(np.array(range(9))).count == 9  # the class of 16 rows
-    monkeypatch.setattr(handlers, "SNAPSHOT_POOL_BYTES", 0)
-    last = handler.snapshot(np.array([6]))
-    write(last, [6], hashes(6))
-    assert handler.snapshot(np.array([7])) is not last  # not kept
+    monkeypatch.setattr(handlers, "SNAPSHOT_POOL_COUNT", 1)
+    last = handler.snapshot(np.array([12]))
+    write(last, [12])  # the pool keeps it alone: the two of three rows are dropped
+    assert handler.snapshot(np.array([13, 14, 15])) not in (first, held)
+    assert handler.snapshot(np.array([13])) is last

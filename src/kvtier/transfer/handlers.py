@@ -41,9 +41,11 @@ from kvtier.transfer.device import (
     stack_planes,
 )
 
-# host bytes of written-out snapshots kept for the next ones (`StagedHandler.snapshot`):
-# a few requests' worth of the serving model's blocks (a 32-block snapshot is 8 MiB)
+# written-out snapshots kept for the next ones (`StagedHandler.snapshot`), the oldest
+# dropped first: at most this many host bytes (a few requests' worth of the serving
+# model's blocks: a 32-block snapshot is 8 MiB) and this many snapshots
 SNAPSHOT_POOL_BYTES = 64 << 20
+SNAPSHOT_POOL_COUNT = 16
 
 
 class TransferHandler(Protocol):
@@ -264,8 +266,8 @@ class StagedHandler:
         # no staging rows, so no copy through them and no buffer of the largest job
         self._segmented = on_cpu and not self._rows and hasattr(store, "write_segments")
         self._staging: dict[str, _Staging] = {}
-        # snapshots' rows written out and kept for the next (`snapshot`), by row count
-        self._free_snapshots: dict[int, list[_Staging]] = {}
+        # snapshots' rows written out and kept for the next (`snapshot`), oldest first
+        self._free_snapshots: list[_Staging] = []
         self._snapshot_lock = threading.Lock()
         # on a GPU: one kernel between the device and the pinned staging rows (a
         # segment's rows are strided there, which a DMA per segment would copy slowly)
@@ -292,29 +294,34 @@ class StagedHandler:
         return staging
 
     def _snapshot_rows(self, count: int) -> _Staging:
-        """Rows for a snapshot of `count` blocks: a written-out snapshot's of the same size
-        class (a power of two, at least 8 rows), or new ones. Taken on the engine's own
-        thread, new rows cost their pages' first writes: a 32-block snapshot (8 MiB) of
-        the serving model took 10-20 ms of every request's prefill there, 9% of the
-        worker's time at saturation with a Redis tier (bench_serving's no-reuse workload)."""
-        rows = max(8, 1 << (count - 1).bit_length())
+        """Rows for a snapshot of `count` blocks: a written-out snapshot's of that many
+        rows (the newest), or new ones; exactly as many, so a queued snapshot holds the
+        bytes its store queue counts and no more. On the engine's own thread, new rows
+        cost their pages' first writes: a 32-block snapshot (8 MiB) of the serving model
+        took 10-20 ms of every request's prefill there, 9% of the worker's time at
+        saturation with a Redis tier (bench_serving's no-reuse workload)."""
+        staging = None
         with self._snapshot_lock:
-            free = self._free_snapshots.get(rows)
-            staging = free.pop() if free else None
+            for i in range(len(self._free_snapshots) - 1, -1, -1):
+                if len(self._free_snapshots[i].rows) == count:
+                    staging = self._free_snapshots.pop(i)
+                    break
         if staging is None:
-            staging = _Staging(self.kv.layout, rows, pin_memory=False)
-        staging.count = count
-        staging.pool = self
+            staging = _Staging(self.kv.layout, count, pin_memory=False)
+            staging.pool = self
         return staging
 
     def recycle(self, staging: _Staging) -> None:
-        """Keep a written-out snapshot's rows for the next (at most
-        SNAPSHOT_POOL_BYTES of them in all)."""
-        rows = len(staging.rows)
+        """Keep a written-out snapshot's rows for the next (SNAPSHOT_POOL_BYTES and
+        SNAPSHOT_POOL_COUNT at most, the oldest dropped first)."""
+        block_bytes = self.kv.layout.bytes_per_block
         with self._snapshot_lock:
-            kept = sum(len(f) * len(f[0].rows) for f in self._free_snapshots.values() if f)
-            if (kept + rows) * self.kv.layout.bytes_per_block <= SNAPSHOT_POOL_BYTES:
-                self._free_snapshots.setdefault(rows, []).append(staging)
+            free = self._free_snapshots
+            free.append(staging)
+            while len(free) > SNAPSHOT_POOL_COUNT or (
+                sum(len(f.rows) for f in free) * block_bytes > SNAPSHOT_POOL_BYTES
+            ):
+                free.pop(0)
 
     def store(self, device_ids: npt.NDArray[np.int64], spec: LoadStoreSpec, ready: Any) -> int:
         moved = len(device_ids) * self.kv.layout.bytes_per_block
@@ -443,8 +450,7 @@ class _Staging:
             self.buffer[:, k * size : (k + 1) * size] for k in range(layout.num_segments)
         ]
         self.rows = [memoryview(row) for row in self.buffer.numpy()]
-        self.count = num_rows  # the rows in use (a pooled snapshot's may be fewer)
         self.pool: StagedHandler | None = None  # whose snapshot rows these are
 
     def write_to(self, medium: BlockStore, spec: LoadStoreSpec) -> None:
-        medium.write_blocks(spec, self.rows[: self.count])
+        medium.write_blocks(spec, self.rows)
