@@ -624,3 +624,38 @@ def test_snapshots_take_the_rows_of_those_written_out(monkeypatch: pytest.Monkey
     write(last, [12])  # the pool keeps it alone: the two of three rows are dropped
     assert handler.snapshot(np.array([13, 14, 15])) not in (first, held)
     assert handler.snapshot(np.array([13])) is last
+
+
+def test_store_threads_take_turns_on_the_shared_staging_rows() -> None:
+    """Stores that copy through the handler's one set of staging rows (a GPU's, or a
+    CPU store that is no snapshot) run one at a time, however many store threads: two
+    at once wrote each other's bytes into those rows. The first write waits (half a
+    second at most) for a second to come in beside it; none does."""
+    kv = random_kv(PER_LAYER, num_blocks=8, seed=7)
+
+    class Overlapping(DictStore):
+        inside = most = 0
+        second = threading.Event()
+        count = threading.Lock()
+
+        def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
+            with self.count:
+                self.inside += 1
+                self.most = max(self.most, self.inside)
+                first = self.inside == 1
+            if first:
+                self.second.wait(0.5)
+            else:
+                self.second.set()
+            super().write_blocks(spec, blocks)
+            with self.count:
+                self.inside -= 1
+
+    store = Overlapping(PER_LAYER)
+    with TransferWorker.for_store(kv, store, store_threads=2) as worker:
+        assert worker.submit_store(1, [0, 1], hashes(0, 1))
+        assert worker.submit_store(2, [2, 3], hashes(2, 3))
+        assert worker.wait([1, 2])
+        assert all(r.ok for r in worker.get_finished())
+    assert store.most == 1
+    assert store.blocks == {hashes(i).block_hashes[0]: block_bytes(kv, i) for i in range(4)}

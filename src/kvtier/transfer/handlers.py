@@ -266,6 +266,9 @@ class StagedHandler:
         # no staging rows, so no copy through them and no buffer of the largest job
         self._segmented = on_cpu and not self._rows and hasattr(store, "write_segments")
         self._staging: dict[str, _Staging] = {}
+        # held while a store uses the "store" staging rows: a worker's store threads
+        # (`TransferWorker`'s `store_threads`) share them
+        self._staging_lock = threading.Lock()
         # snapshots' rows written out and kept for the next (`snapshot`), oldest first
         self._free_snapshots: list[_Staging] = []
         self._snapshot_lock = threading.Lock()
@@ -340,9 +343,12 @@ class StagedHandler:
         if self._segmented:
             self.medium.write_segments(spec, self._segment_views(device_ids))  # type: ignore[attr-defined]
             return moved
-        staging = self._stage("store", len(device_ids))
-        self._streams.run(self._streams.store, ready, lambda: self._to_staging(device_ids, staging))
-        self.medium.write_blocks(spec, staging.rows[: len(device_ids)])
+        with self._staging_lock:  # one staging buffer, however many store threads
+            staging = self._stage("store", len(device_ids))
+            self._streams.run(
+                self._streams.store, ready, lambda: self._to_staging(device_ids, staging)
+            )
+            self.medium.write_blocks(spec, staging.rows[: len(device_ids)])
         return moved
 
     def load(
