@@ -20,7 +20,7 @@ from kvtier.store.memory import MemoryStore
 from kvtier.store.protocol import BlockLoadError
 from kvtier.transfer import device, handlers
 from kvtier.transfer.device import DeviceKV, coalesce_runs, count_runs
-from kvtier.transfer.handlers import HostSlotHandler, StagedHandler
+from kvtier.transfer.handlers import HostSlotHandler, StagedHandler, slot_order
 from kvtier.transfer.transfer_worker import TransferWorker
 from tests.transfer.helpers import (
     CROSS_LAYER,
@@ -659,3 +659,13 @@ def test_store_threads_take_turns_on_the_shared_staging_rows() -> None:
         assert all(r.ok for r in worker.get_finished())
     assert store.most == 1
     assert store.blocks == {hashes(i).block_hashes[0]: block_bytes(kv, i) for i in range(4)}
+
+
+def test_slot_order_places_each_row_segment_in_the_slots_or_says_it_cannot() -> None:
+    """`slot_order`: where each segment of a view of the same memory in another order
+    lies in the CPU slots' segments (a row written from a slot's runs); None for
+    segments of other memory, which no slot holds."""
+    kv = random_kv(PER_LAYER, num_blocks=4, seed=9)
+    assert slot_order(kv, kv) == [(j, 0, int(seg.shape[1])) for j, seg in enumerate(kv.segments)]
+    other = random_kv(PER_LAYER, num_blocks=4, seed=9)
+    assert slot_order(kv, other) is None

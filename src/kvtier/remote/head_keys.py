@@ -344,9 +344,20 @@ class HeadKeyedStore(RedisBlockStore):
     ) -> bool:
         """Each block's `group` heads as one value (one round trip); False if any write
         may have failed."""
+        return self.store_group_pieces(block_hashes, group, [[v] for v in values], salt)
+
+    def store_group_pieces(
+        self,
+        block_hashes: Sequence[bytes],
+        group: HeadGroup,
+        blocks: Sequence[Sequence[Payload]],
+        salt: str | None = None,
+    ) -> bool:
+        """`store_group`, each value given as the pieces it is end to end (a CPU slot's
+        runs in head order): sent as they lie, never joined."""
         if block_hashes and not self.breaker.rejecting():
             self._register(group.count)
-        return self.group_store(group).store(block_hashes, values, salt)
+        return self.group_store(group).store_pieces(block_hashes, blocks, salt)
 
     def load_group(
         self,

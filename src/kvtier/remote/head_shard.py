@@ -107,6 +107,19 @@ class HeadShardKVStore:
                 f"remote store of {len(blocks)} blocks (heads {self.shard.heads}) failed"
             )
 
+    def write_pieces(self, spec: LoadStoreSpec, blocks: Sequence[Sequence[memoryview]]) -> None:
+        """`write_blocks` of rows given as the pieces each is end to end (a CPU slot's
+        runs in head order, see `handlers.slot_order`): sent as they lie, not joined."""
+        remote = remote_spec(spec, blocks)
+        if not self.shard.writes:  # another worker holds the same bytes and writes them
+            return
+        if not self.store.store_group_pieces(
+            remote.block_hashes, self.shard.group, blocks, remote.salt
+        ):
+            raise RemoteStoreError(
+                f"remote store of {len(blocks)} blocks (heads {self.shard.heads}) failed"
+            )
+
     def read_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
         remote = remote_spec(spec, blocks)
         shard = self.shard

@@ -433,14 +433,52 @@ class SlotPieces:
     CPU tier): written from the slots' segments where they lie, with no copy of its own.
     The slots must not be rewritten until the store ends: the job's slots stay in flight
     (neither read nor evicted) until its every part is done. The medium takes blocks as
-    pieces (`write_pieces`)."""
+    pieces (`write_pieces`). `order`: where the medium's rows are the slots' bytes in
+    another order (Redis values by KV head, `slot_order`), each row's runs as (the
+    slot's segment, offset, length)."""
 
-    def __init__(self, memory: MemoryStore, slots: npt.NDArray[np.int64]) -> None:
+    def __init__(
+        self,
+        memory: MemoryStore,
+        slots: npt.NDArray[np.int64],
+        order: Sequence[tuple[int, int, int]] | None = None,
+    ) -> None:
         self.memory = memory
         self.slots = slots
+        self.order = order
 
     def write_to(self, medium: Any, spec: LoadStoreSpec) -> None:
-        medium.write_pieces(spec, self.memory.slot_parts(self.slots))
+        parts = self.memory.slot_parts(self.slots)
+        if self.order is not None:
+            parts = [[p[j][off : off + n] for j, off, n in self.order] for p in parts]
+        medium.write_pieces(spec, parts)
+
+
+def slot_order(whole: DeviceKV, rows: DeviceKV) -> list[tuple[int, int, int]] | None:
+    """Where each segment of `rows` (a view of the same engine memory in another order:
+    a worker's KV heads one after the other, `PagedDeviceKV(heads=)`) lies in the
+    segments of `whole` (the CPU slots' layout): (segment, offset, length) each, so that
+    a row is written from a CPU slot's bytes (`SlotPieces`) rather than copied on the
+    engine's thread (`StagedHandler.snapshot`); None where some segment of `rows` is
+    not inside one of `whole`'s at the same block stride (or either is on a GPU)."""
+    if whole.is_cuda or rows.is_cuda:
+        return None
+    spans = [(seg.data_ptr(), seg.stride(0), int(seg.shape[1])) for seg in whole.segments]
+    order = []
+    for seg in rows.segments:
+        ptr, stride, size = seg.data_ptr(), seg.stride(0), int(seg.shape[1])
+        at = next(
+            (
+                (j, ptr - base)
+                for j, (base, step, length) in enumerate(spans)
+                if step == stride and 0 <= ptr - base <= length - size
+            ),
+            None,
+        )
+        if at is None or seg.stride(1) != 1 or seg.element_size() != 1:
+            return None
+        order.append((at[0], at[1], size))
+    return order
 
 
 class _Staging:

@@ -58,7 +58,7 @@ from kvtier.transfer.cascade_handler import (
     DiskWrite,
     split_disk_part,
 )
-from kvtier.transfer.handlers import SlotPieces, StagedHandler
+from kvtier.transfer.handlers import SlotPieces, StagedHandler, slot_order
 from kvtier.transfer.pages import PagedDeviceKV
 from kvtier.transfer.transfer_worker import TransferWorker
 from kvtier.types import BlockHash
@@ -288,10 +288,16 @@ class KvtierOffloadingWorker(OffloadingWorker):
             else None
         )
         # Redis store blocks that the job also puts in the CPU tier are written from
-        # there (`SlotPieces`) where the slots hold whole blocks as Redis keeps them
+        # there (`SlotPieces`): the slots' segments as they lie, or where Redis keeps
+        # blocks by KV head, their runs in head order (`slot_order`)
+        self._slot_order = (
+            None
+            if self._stager is None or remote_sharing is None
+            else slot_order(self.kv, self._stager.kv)
+        )
         self._from_slots = (
             self._stager is not None
-            and remote_sharing is None
+            and (remote_sharing is None or self._slot_order is not None)
             and hasattr(self._stager.medium, "write_pieces")
         )
         freeze_startup_heap()
@@ -524,7 +530,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     rest.append(i)
             for local, picked in by_local.items():
                 slots = np.array([in_cpu[part.positions[i]][1] for i in picked], dtype=np.int64)
-                piece = own(subpart(part, picked), staged=SlotPieces(self.memory, slots))
+                pieces = SlotPieces(self.memory, slots, self._slot_order)
+                piece = own(subpart(part, picked), staged=pieces)
                 after.setdefault(local, []).append((next(self._sub_ids), piece))
             if rest:
                 piece = part if len(rest) == len(part.positions) else subpart(part, rest)
