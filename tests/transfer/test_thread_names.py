@@ -41,7 +41,10 @@ def test_a_thread_takes_the_name_and_a_long_one_is_cut_to_what_linux_keeps() -> 
 def test_a_transfer_workers_threads_are_named_for_their_tier_and_role() -> None:
     kv = random_kv(LAYOUTS[0], num_blocks=4, seed=1)
     with TransferWorker.for_store(kv, MemoryStore(LAYOUTS[0], 4), name="cpu") as worker:
+        # a job on each thread: each has named itself before it took one
         assert worker.submit_store(1, [0], CPULoadStoreSpec([0]))
         assert worker.wait([1])
+        assert worker.submit_load(2, CPULoadStoreSpec([0]), [1])
+        assert worker.wait([2])
         assert {"kv-cpu-store", "kv-cpu-load"} <= native_names()
     assert not {"kv-cpu-store", "kv-cpu-load"} & native_names()  # closed: gone

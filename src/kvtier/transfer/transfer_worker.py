@@ -26,11 +26,9 @@ released in submission order per direction (a rejected job waits for the jobs
 submitted before it), so a store completes only after every earlier store of the
 same worker. Threads suffice: torch copies, file I/O, hashing and sockets all
 release the GIL. A medium whose stores wait on round trips (Redis across a network)
-may have several store threads (`store_threads`): one thread made a link adding
-200 ms a round trip a bound of five store jobs a second, the CPU slots they are sent
-from stayed pinned behind the queue, and a full CPU tier then refused new blocks,
-whose Redis copies were taken on the engine's own thread (`snapshot`). Results stay
-in submission order.
+may have several store threads (`store_threads`): with one, a link adding 200 ms a
+round trip sent at most five store jobs a second, and the CPU slots a Redis store is
+sent from stay pinned until it is. Results stay in submission order.
 
 Jobs that queue up behind a busy thread are run as one when the handler can merge
 their specs (the memory tier): one copy per segment over all of them instead of one
@@ -226,33 +224,28 @@ class TransferWorker:
         self._queues: dict[str, _JobQueue] = {
             d: shared if ordered else queue.Queue(maxsize=max_queued_jobs) for d in (STORE, LOAD)
         }
-        served = (
-            [shared] if ordered else [*[self._queues[STORE]] * store_threads, self._queues[LOAD]]
+        # each thread's queue and role (in its name; "store" and "write" serve no loads)
+        served: list[tuple[_JobQueue, str]] = (
+            [(shared, "jobs")]
+            if ordered
+            else [(self._queues[STORE], "store")] * store_threads + [(self._queues[LOAD], "load")]
         )
         self._queues[DISCARD] = self._queues[STORE]
         if getattr(handler, "write", None) is not None:  # writes from its own slots, apart
             self._queues[WRITE] = queue.Queue(maxsize=max_queued_jobs)
-            served.append(self._queues[WRITE])
-        roles = {id(self._queues[STORE]): "jobs" if ordered else "store"}
-        roles[id(self._queues[LOAD])] = "jobs" if ordered else "load"
-        if WRITE in self._queues:
-            roles[id(self._queues[WRITE])] = "write"
+            served.append((self._queues[WRITE], "write"))
         self._threads = [
             threading.Thread(
                 target=self._serve,
-                args=(
-                    q,
-                    q is self._queues.get(WRITE) or (not ordered and q is self._queues[STORE]),
-                    f"kv-{name}-{roles[id(q)]}",
-                ),
-                name=f"kvtier-{name}-{roles[id(q)]}",
+                args=(q, role in ("store", "write"), f"kv-{name}-{role}"),
+                name=f"kvtier-{name}-{role}",
                 daemon=True,
             )
-            for q in served
+            for q, role in served
         ]
         self._closed = False
         # a queue per thread still to get its stop marker, and the handler's close
-        self._unstopped: list[_JobQueue] = list(served)
+        self._unstopped: list[_JobQueue] = [q for q, _ in served]
         self._close_handler: Callable[[], None] | None = getattr(handler, "close", None)
         for thread in self._threads:
             thread.start()
