@@ -98,14 +98,8 @@ class HeadShardKVStore:
         return self._layout
 
     def write_blocks(self, spec: LoadStoreSpec, blocks: Sequence[memoryview]) -> None:
-        remote = remote_spec(spec, blocks)
-        if not self.shard.writes:  # another worker holds the same bytes and writes them
-            return
         rows = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in blocks]
-        if not self.store.store_group(remote.block_hashes, self.shard.group, rows, remote.salt):
-            raise RemoteStoreError(
-                f"remote store of {len(blocks)} blocks (heads {self.shard.heads}) failed"
-            )
+        self.write_pieces(spec, [[row] for row in rows])
 
     def write_pieces(self, spec: LoadStoreSpec, blocks: Sequence[Sequence[memoryview]]) -> None:
         """`write_blocks` of rows given as the pieces each is end to end (a CPU slot's
