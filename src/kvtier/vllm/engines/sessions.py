@@ -12,15 +12,21 @@ from pathlib import Path
 WORKER_TITLE = "VLLM::Worker"  # the process title vLLM's CPU workers take
 
 
-def _processes() -> Iterator[tuple[int, str, list[str]]]:
-    """(pid, command name, the stat fields after the name) of each live process."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+def _stats(pattern: str) -> Iterator[tuple[int, str, list[str]]]:
+    """(id, command name, the stat fields after the name) of each live process or thread
+    whose stat file matches `pattern` (one that ends meanwhile is left out)."""
+    for stat in Path("/proc").glob(pattern):
         try:
             text = stat.read_text()
         except OSError:
             continue
         name = text[text.index("(") + 1 : text.rindex(")")]
         yield int(stat.parent.name), name, text[text.rindex(")") + 2 :].split()
+
+
+def _processes() -> Iterator[tuple[int, str, list[str]]]:
+    """(pid, command name, the stat fields after the name) of each live process."""
+    return _stats("[0-9]*/stat")
 
 
 def session_cpu_seconds(session: int) -> float:
@@ -36,21 +42,15 @@ def session_cpu_seconds(session: int) -> float:
 
 def session_thread_cpu_seconds(session: int) -> dict[str, float]:
     """The CPU seconds of a session's live threads, summed by process title and thread
-    name ("VLLM::Worker_TP0/kvtier-transfer"; a name's trailing number dropped, so a
-    pool's threads add up): which of a server's threads took a side's extra CPU."""
+    name ("VLLM::Worker/kv-redis-store"; a name's trailing number dropped, so a pool's
+    threads add up): which of a server's threads took a side's extra CPU."""
     ticks: dict[str, int] = {}
     for pid, name, fields in _processes():
         if int(fields[3]) != session:
             continue
-        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-            try:
-                text = stat.read_text()
-            except OSError:
-                continue
-            thread = text[text.index("(") + 1 : text.rindex(")")].rstrip("0123456789_-")
-            after = text[text.rindex(")") + 2 :].split()
-            key = f"{name}/{thread or '?'}"
-            ticks[key] = ticks.get(key, 0) + int(after[11]) + int(after[12])
+        for _, thread, times in _stats(f"{pid}/task/*/stat"):
+            key = f"{name}/{thread.rstrip('0123456789_-') or '?'}"
+            ticks[key] = ticks.get(key, 0) + int(times[11]) + int(times[12])
     per_tick = 1 / os.sysconf("SC_CLK_TCK")
     return {key: n * per_tick for key, n in ticks.items()}
 
