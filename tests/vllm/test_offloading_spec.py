@@ -311,6 +311,10 @@ def test_redis_shared_between_engines_and_killed(engines: list[Engine], tmp_path
         ({"cpu_bytes_to_use": 1 << 20, "max_tracker_size": 5}, "does not apply"),
         ({"cpu_bytes_to_use": 10}, "below one block of this model"),
         ({"cpu_bytes_to_use": 1 << 20, "cpu_copy_threads": 0}, "must be an integer >= 1, got 0"),
+        (
+            {"cpu_bytes_to_use": 1 << 20, "redis_store_threads": "4"},
+            r"\['redis_store_threads'\] must be an integer >= 1, got '4'",
+        ),
     ],
 )
 def test_bad_config_fails_at_start(extra: dict[str, Any], message: str) -> None:
@@ -682,3 +686,17 @@ def test_a_key_listed_twice_is_stored_once_and_settled_once(engines: list[Engine
     assert sorted(slots[:2]) == [0, 1]  # both slots free again, each handed out once
     assert slots[2] == slots[0]  # k4 takes the slot of k2, the least recent; k3 keeps its own
     assert engine.hits([k3]) == 1 and engine.hits([k4]) == 1 and engine.hits([k2]) == 0
+
+
+def test_the_redis_worker_sends_with_redis_store_threads(engines: list[Engine]) -> None:
+    """`redis_store_threads`: that many threads send the Redis tier's stores (four by
+    default); the CPU tier's worker keeps one."""
+    url = "redis://127.0.0.1:9"  # never reached here: threads are made at start
+    for extra, threads in (({}, 4), ({"redis_store_threads": 2}, 2)):
+        engine = Engine({"cpu_bytes_to_use": 2 * BLOCK_BYTES, "redis_url": url} | extra)
+        engines.append(engine)
+        names = [t.name for t in engine.worker.workers["remote"]._threads]
+        assert names.count("kvtier-redis-store") == threads
+        assert names.count("kvtier-redis-load") == 1
+        local = [t.name for t in engine.worker.workers["local"]._threads]
+        assert local.count("kvtier-cpu-store") == 1

@@ -71,6 +71,10 @@ class TierConfig:
     redis_connect_timeout_s: float = 0.25
     redis_ttl_s: int | None = None
     redis_key_prefix: str = "kvt"
+    # Redis store jobs in flight at once, each a round trip of its own on its own
+    # connection: a Redis across a network sends a job no faster than its round trip,
+    # and one at a time a link adding 200 ms sent five store jobs a second
+    redis_store_threads: int = 4
     # "measured": offer a tier's hit only where loading it is predicted faster than
     # recomputing it (kvtier.connector.cost_model); "always": every hit is loaded
     load_decision: Mode = "measured"
@@ -153,7 +157,7 @@ def _check(where: str, key: str, value: Any) -> Any:
         return whole_number(where, value, minimum=1)
     if key == "store_threshold":
         return check_store_threshold(where, value)
-    if key in ("disk_io_threads", "redis_ttl_s", "cpu_copy_threads"):
+    if key in ("disk_io_threads", "redis_ttl_s", "cpu_copy_threads", "redis_store_threads"):
         return whole_number(where, value, minimum=1)
     if key in ("cpu_checksums", "disk_fsync", "disk_shared"):
         if not isinstance(value, bool):

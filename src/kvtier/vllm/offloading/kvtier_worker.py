@@ -91,10 +91,6 @@ FLUSH_BATCH = 64  # blocks per disk write of the flush at shutdown
 # before it goes on without them: a healthy disk ends a full writer queue (64 jobs) in a
 # second or two; one that hangs would otherwise keep the engine from ever stopping
 SHUTDOWN_WAIT_S = 30.0
-# Redis store jobs in flight at once, each a round trip of its own on its own connection
-# (`TransferWorker`'s `store_threads`): a Redis across a network sends a job no faster
-# than its round trip, and one at a time the queue grew behind a link adding 200 ms
-REDIS_STORE_THREADS = 4
 
 
 @dataclass
@@ -227,7 +223,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     remote.kv_store(layout),
                     torch_threads=threads,
                     name="redis",
-                    store_threads=REDIS_STORE_THREADS,
+                    store_threads=config.redis_store_threads,
                 )
             elif remote is not None and remote_sharing is not None:
                 shard, row = remote_sharing.shard, remote_sharing.row
@@ -239,7 +235,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     remote.head_store(row, shard),
                     torch_threads=threads,
                     name="redis",
-                    store_threads=REDIS_STORE_THREADS,
+                    store_threads=config.redis_store_threads,
                 )
                 self._remote_writes = shard.writes
         except BaseException:
