@@ -161,10 +161,6 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
         self._promoting: set[BlockHash] = set()
         self._copied: set[BlockHash] = set()  # CPU copy done, store in flight (complete_copy)
 
-    def _ready(self, core: Any, block_hash: BlockHash) -> bool:
-        block = core.get_block(block_hash)
-        return block is not None and block.ref_cnt >= 0
-
     def on_disk(self, block_hash: BlockHash) -> bool:
         """Whether the disk tier holds the block (ready, pinned or being stored)."""
         return self._disk_core.get_block(block_hash) is not None
@@ -183,7 +179,7 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
             return None
         cpu, disk = self._cpu_core, self._disk_core
         while hits < len(hashes) and (
-            self._ready(cpu, hashes[hits]) or self._ready(disk, hashes[hits])
+            block_ready(cpu, hashes[hits]) or block_ready(disk, hashes[hits])
         ):
             hits += 1
         return hits
@@ -192,9 +188,9 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
         hashes = block_hash_list("prepare_load", block_hashes)  # a load per listing
         spec = CascadeLoadSpec()
         for i, block_hash in enumerate(hashes):
-            if self._ready(self._cpu_core, block_hash):
+            if block_ready(self._cpu_core, block_hash):
                 spec.cpu_positions.append(i)
-            elif self._ready(self._disk_core, block_hash):
+            elif block_ready(self._disk_core, block_hash):
                 spec.disk_positions.append(i)
                 if block_hash in self._demoting:
                     spec.demoting[i] = self._demoting[block_hash]
@@ -452,3 +448,11 @@ class CascadeOffloadingManager(RecordedEvents, OffloadingManager):
         removed: list[BlockHash] = self._disk_core.discard(list(block_hashes))
         self._drain()
         return removed
+
+
+def block_ready(core: Any, block_hash: BlockHash) -> bool:
+    """Whether a tier's block status (None: no such tier) says the block is there to
+    load: present and not being stored. Uncounted: the tiers' lookup counters are
+    vLLM's questions."""
+    block = None if core is None else core.get_block(block_hash)
+    return block is not None and block.ref_cnt >= 0

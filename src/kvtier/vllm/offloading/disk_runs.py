@@ -17,8 +17,9 @@ from typing import Any
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
 from kvtier.connector.cost_model import CostModel
+from kvtier.offload.cascade_manager import block_ready
 from kvtier.types import BlockHash
-from kvtier.vllm.offloading.prompt_keys import Prompts
+from kvtier.vllm.offloading.prompt_keys import Prompts, request_state
 
 
 @dataclass
@@ -28,13 +29,6 @@ class DiskRun:
 
     load: bool | None = None
     counted: set[BlockHash] = field(default_factory=set)
-
-
-def ready(core: Any, block_hash: BlockHash) -> bool:
-    """Whether a tier's block status says the block is there to load (uncounted: the
-    tiers' lookup counters are vLLM's questions)."""
-    block = None if core is None else core.get_block(block_hash)
-    return block is not None and block.ref_cnt >= 0
 
 
 class DiskRuns:
@@ -62,12 +56,9 @@ class DiskRuns:
         """Whether a local hit is offered: always from the CPU tier; from the disk only
         where loading the request's run beats recomputing it (`worth_loading`), or as a
         probe (`CostModel.probe`)."""
-        if ready(self.cpu_core, block_hash):
+        if block_ready(self.cpu_core, block_hash):
             return True
-        run: DiskRun | None = req_context.get_state(DiskRun)
-        if run is None:
-            run = DiskRun()
-            req_context.set_state(run)
+        run = request_state(req_context, DiskRun)
         if run.load is None:
             run.load = self.worth_loading(key, req_context) or self.cost.probe("disk")
         if block_hash not in run.counted:
@@ -92,9 +83,9 @@ class DiskRuns:
 
         def holds(block_hash: BlockHash) -> bool:
             nonlocal on_disk
-            if ready(self.cpu_core, block_hash):
+            if block_ready(self.cpu_core, block_hash):
                 return True
-            if ready(self.disk_core, block_hash):
+            if block_ready(self.disk_core, block_hash):
                 on_disk += 1
                 return True
             return False

@@ -77,7 +77,7 @@ from kvtier.vllm.offloading.job_specs import (
     Part,
     WorkerReport,
 )
-from kvtier.vllm.offloading.prompt_keys import PromptChain, Prompts
+from kvtier.vllm.offloading.prompt_keys import PromptChain, Prompts, request_state
 from kvtier.vllm.offloading.remote_runs import RemoteRuns, plan_of
 from kvtier.vllm.offloading.tier_stats import TierStats
 
@@ -123,11 +123,7 @@ class _RequestUse:
 
 
 def _use_of(req_context: ReqContext) -> _RequestUse:
-    use: _RequestUse | None = req_context.get_state(_RequestUse)
-    if use is None:
-        use = _RequestUse()
-        req_context.set_state(use)
-    return use
+    return request_state(req_context, _RequestUse)
 
 
 def block_hash_of(key: OffloadKey) -> BlockHash:

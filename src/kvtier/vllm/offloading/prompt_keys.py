@@ -12,10 +12,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 
 from kvtier.types import BlockHash
+
+_S = TypeVar("_S")
+
+
+def request_state(req_context: ReqContext, kind: type[_S]) -> _S:
+    """The request's state of class `kind` (vLLM keeps one of each class in its request
+    context), made empty at its first use."""
+    state: _S | None = req_context.get_state(kind)
+    if state is None:
+        state = kind()
+        req_context.set_state(state)
+    return state
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from kvtier.connector.cost_model import CostModel
 from kvtier.offload.abstract import OffloadingManager as KvtierManager
 from kvtier.types import BlockHash
 from kvtier.vllm.offloading.job_specs import REMOTE
+from kvtier.vllm.offloading.prompt_keys import request_state
 from kvtier.vllm.offloading.tier_stats import TierStats
 
 
@@ -99,11 +100,7 @@ class LookupPlan:
 
 
 def plan_of(req_context: ReqContext) -> LookupPlan:
-    plan: LookupPlan | None = req_context.get_state(LookupPlan)
-    if plan is None:
-        plan = LookupPlan()
-        req_context.set_state(plan)
-    return plan
+    return request_state(req_context, LookupPlan)
 
 
 # first keys of requests that went on without their Redis answer, watched for it (the
